@@ -22,6 +22,8 @@ class GraphState(object):
       tower_exit_hooks: callables run with the context when a tower is left
         without an exception (used to check that towers built the same
         synchronized layers).
+      scope_counts: default-scope-name counters saved when tower 0 of a group
+        was entered, restored for the other towers.
       slots: dict of named sub-states for other packages (for example the
         per-tower call counters of ``tf1_syncbn``), created on first use by
         :meth:`slot`.
@@ -30,6 +32,7 @@ class GraphState(object):
     def __init__(self):
         self.tower_stack = []
         self.tower_exit_hooks = []
+        self.scope_counts = {}
         self.slots = {}
 
     def slot(self, name, factory):

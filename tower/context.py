@@ -11,6 +11,7 @@ import contextlib
 import re
 
 import tensorflow as tf
+from tensorflow.python.ops import variable_scope as _vs
 
 from tower._state import get_graph_state
 
@@ -39,7 +40,9 @@ class TowerContext(object):
 
     * in-graph sharing (``vs_name=''``, the default): tower 0 creates the
       variables; towers with ``index > 0`` reuse them (``reuse=True``), so a
-      variable that tower 0 did not create is an error in the other towers;
+      variable that tower 0 did not create is an error in the other towers.
+      Layers built without an explicit scope get the same default scope names
+      (``BatchNorm``, ``Conv_1``, ...) in every tower, so they share too;
     * replicated (``vs_name='tower1'`` etc.): each tower opens its own variable
       scope ``vs_name`` and owns a copy of every variable.
 
@@ -149,6 +152,7 @@ class TowerContext(object):
                 stack.enter_context(tf.compat.v1.variable_scope(
                     tf.compat.v1.get_variable_scope(), reuse=True,
                     auxiliary_name_scope=False))
+            self._align_default_scope_names(state)
             outer = graph.get_name_scope()
             full = (outer + '/' + self._name) if outer else self._name
             stack.enter_context(graph.name_scope(full + '/'))
@@ -161,6 +165,19 @@ class TowerContext(object):
         self._graph = graph
         self._exit_stack = stack
         return self
+
+    def _align_default_scope_names(self, state):
+        # Layers built without an explicit scope get default names ('BatchNorm',
+        # 'BatchNorm_1', 'Conv', ...) from per-graph counters. In in-graph
+        # sharing mode every tower must get the names tower 0 got, so that it
+        # reuses tower 0's variables: restore the counters tower 0 started with.
+        counts = _vs.get_variable_scope_store().variable_scopes_count
+        key = (tf.compat.v1.get_variable_scope().name, self._total)
+        if self._index == 0 and not self._vs_name:
+            state.scope_counts[key] = dict(counts)
+        elif not self._vs_name and key in state.scope_counts:
+            counts.clear()
+            counts.update(state.scope_counts[key])
 
     def __exit__(self, exc_type, exc_value, traceback):
         stack, graph = self._exit_stack, self._graph

@@ -1,0 +1,139 @@
+"""Forward+backward step time of synchronized batch norm on N virtual CPU towers.
+
+Prints, for one shape on N towers (default 4 x 32x28x28x64), the median step
+time of:
+
+* ``fused``: unsynchronized ``tf.nn.fused_batch_norm`` per tower (the floor);
+* ``sync_batch_norm``: this library, collective backend;
+* ``seed``: the seed algorithm (all-reduce E[x] and E[x^2] separately,
+  var = E[x^2] - E[x]^2, two collectives forward and two backward) on the same
+  collective ops;
+
+and the ratios between them. All variants run in one process, interleaved
+round by round, so the ratios compare like with like. Every step fetches one
+scalar that depends on every gradient, so no gradient work can be skipped.
+
+Usage: python bench/sync_step.py [--towers 4] [--shape 32,28,28,64] [--steps 30]
+"""
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from tensorflow.python.ops import collective_ops  # noqa: E402
+
+from tf1_syncbn import CollectiveBackend, sync_batch_norm  # noqa: E402
+from tower import call_for_each_tower, get_current_tower_context, virtual_cpu_config  # noqa: E402
+
+tf1 = tf.compat.v1
+EPS = 1e-3
+
+
+def fused_layer(x):
+    channels = x.shape[-1]
+    gamma = tf1.get_variable('gamma', [channels], initializer=tf1.ones_initializer())
+    beta = tf1.get_variable('beta', [channels], initializer=tf1.zeros_initializer())
+    y, _, _ = tf1.nn.fused_batch_norm(x, gamma, beta, epsilon=EPS, is_training=True)
+    return y
+
+
+def _seed_all_reduce(t, towers, key):
+    """Sum all-reduce with a sum all-reduce gradient (what NCCL's gradient does)."""
+    device = t.device
+
+    @tf.custom_gradient
+    def reduce(v):
+        out = collective_ops.all_reduce(v, towers, 99, key, 'Add', 'Id')
+
+        def grad(dy):
+            with tf.device(device):
+                return collective_ops.all_reduce(dy, towers, 99, key + 1, 'Add', 'Id')
+        return out, grad
+    return reduce(t)
+
+
+def seed_layer(x):
+    """The seed algorithm, on collective ops instead of NCCL (CPU has no NCCL)."""
+    ctx = get_current_tower_context()
+    channels = x.shape[-1]
+    gamma = tf1.get_variable('gamma', [channels], initializer=tf1.ones_initializer())
+    beta = tf1.get_variable('beta', [channels], initializer=tf1.zeros_initializer())
+    mean = tf.reduce_mean(x, [0, 1, 2])
+    mean_sq = tf.reduce_mean(tf.square(x), [0, 1, 2])
+    mean = _seed_all_reduce(mean, ctx.total, 1000) * (1.0 / ctx.total)
+    mean_sq = _seed_all_reduce(mean_sq, ctx.total, 2000) * (1.0 / ctx.total)
+    var = mean_sq - tf.square(mean)
+    return tf.nn.batch_normalization(x, mean, var, beta, gamma, EPS)
+
+
+def sync_layer(x):
+    return sync_batch_norm(x, scale=True, epsilon=EPS, updates_collections=None,
+                           sync_statistics=CollectiveBackend(timeout=120))
+
+
+def build(layer, towers, shape):
+    graph = tf.Graph()
+    with graph.as_default():
+        rng = np.random.RandomState(0)
+
+        def tower():
+            i = get_current_tower_context().index
+            # Per-tower data lives in (non-shared) variables: no feed in the timing.
+            x = tf1.Variable(rng.randn(*shape).astype(np.float32), trainable=False, name='x')
+            dy = tf1.Variable(rng.randn(*shape).astype(np.float32), trainable=False, name='dy')
+            del i
+            with tf1.variable_scope('bn'):
+                y = layer(x)
+            loss = tf.reduce_sum(y * dy)
+            params = tf1.trainable_variables()
+            grads = tf.gradients(loss, [x] + params)
+            # One scalar that depends on every gradient (and the output).
+            return tf.add_n([tf.reduce_sum(g) for g in grads] + [tf.reduce_sum(y)])
+
+        outs = call_for_each_tower(tower, ['/cpu:%d' % i for i in range(towers)])
+        fetch = tf.add_n(outs)
+        init = tf1.global_variables_initializer()
+    sess = tf1.Session(graph=graph, config=virtual_cpu_config(towers))
+    sess.run(init)
+    return sess, fetch
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--towers', type=int, default=4)
+    parser.add_argument('--shape', default='32,28,28,64')
+    parser.add_argument('--steps', type=int, default=30)
+    parser.add_argument('--warmup', type=int, default=5)
+    args = parser.parse_args()
+    tf1.disable_eager_execution()
+    shape = tuple(int(s) for s in args.shape.split(','))
+    variants = [('fused', fused_layer), ('sync_batch_norm', sync_layer), ('seed', seed_layer)]
+    runs = {name: build(layer, args.towers, shape) for name, layer in variants}
+    times = {name: [] for name, _ in variants}
+    for name, (sess, fetch) in runs.items():
+        for _ in range(args.warmup):
+            sess.run(fetch)
+    for _ in range(args.steps):
+        for name, (sess, fetch) in runs.items():
+            start = time.perf_counter()
+            sess.run(fetch)
+            times[name].append(time.perf_counter() - start)
+    med = {name: 1e3 * float(np.median(t)) for name, t in times.items()}
+    print('forward+backward, %d towers of %s, median of %d steps (ms)'
+          % (args.towers, 'x'.join(map(str, shape)), args.steps))
+    for name, _ in variants:
+        print('  %-16s %8.2f ms' % (name, med[name]))
+    print('  ratio sync_batch_norm / fused: %.2fx  (target <= 1.20x)'
+          % (med['sync_batch_norm'] / med['fused']))
+    print('  ratio seed / fused:            %.2fx' % (med['seed'] / med['fused']))
+    print('  ratio seed / sync_batch_norm:  %.2fx' % (med['seed'] / med['sync_batch_norm']))
+
+
+if __name__ == '__main__':
+    main()

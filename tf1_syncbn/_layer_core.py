@@ -1,0 +1,431 @@
+"""The layer logic shared by ``sync_batch_norm``, ``BatchNorm`` and ``BatchRenorm``.
+
+The public layers create their variables (with their own names) and describe
+their options in a :class:`Config`; :func:`batch_norm` then does the rest:
+towers, modes (training, frozen, inference, tensor switch), synchronization,
+renorm, adjustment and the moving-average updates. The math lives in
+:mod:`tf1_syncbn._math` and the communication in :mod:`tf1_syncbn._engine`.
+"""
+
+import collections
+import numbers
+
+import tensorflow as tf
+from tensorflow.python.training import moving_averages
+
+from tf1_syncbn import _engine, _math, backends
+from tower import get_current_tower_context, tower_index_from_name
+
+tf1 = tf.compat.v1
+
+_FORMATS = {
+    'NHWC': (True, None), 'NCHW': (False, None),
+    'NDHWC': (True, 5), 'NCDHW': (False, 5),
+    'channels_last': (True, None), 'channels_first': (False, None),
+}
+_FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32)
+_RENORM_CLIPPING_KEYS = ('rmax', 'rmin', 'dmax')
+
+Params = collections.namedtuple('Params', ['beta', 'gamma', 'moving_mean', 'moving_variance',
+                                           'renorm'])
+Params.__doc__ = """The variables of one layer (``beta``/``gamma`` may be None)."""
+
+
+def check_dict_keys(layer, what, value, allowed):
+    """Validates an optional dict argument; returns it (or {})."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TypeError('%s: %s must be a dict, got %r.' % (layer, what, value))
+    unknown = sorted(set(value) - set(allowed))
+    if unknown:
+        raise ValueError('%s: unknown %s key(s) %s; allowed keys are %s.'
+                         % (layer, what, unknown, list(allowed)))
+    return value
+
+
+class RenormVariables(collections.namedtuple('RenormVariables', ['mean', 'stddev'])):
+    """Moving statistics of Batch Renormalization (``renorm_mean``, ``renorm_stddev``)."""
+
+    @classmethod
+    def create(cls, channels, make):
+        """Creates them with ``make(name, initializer)``."""
+        del channels
+        return cls(make('renorm_mean', tf1.zeros_initializer()),
+                   make('renorm_stddev', tf1.ones_initializer()))
+
+
+class Config(object):
+    """The options of one layer call, checked at graph build by :meth:`validate`."""
+
+    def __init__(self, layer, inputs, data_format='NHWC', is_training=True, momentum=0.99,
+                 epsilon=1e-3, center=True, scale=True, batch_weights=None, fused=None,
+                 renorm=False, renorm_clipping=None, renorm_momentum=0.99, adjustment=None,
+                 num_dev=None, sync_statistics=None, zero_debias=False, axis=None,
+                 virtual_batch_size=None):
+        self.layer = layer
+        self.inputs = inputs
+        self.data_format = data_format
+        self.is_training = is_training
+        self.momentum = momentum
+        self.epsilon = epsilon
+        self.center = center
+        self.scale = scale
+        self.batch_weights = batch_weights
+        self.fused = fused
+        self.renorm = renorm
+        self.renorm_clipping = renorm_clipping
+        self.renorm_momentum = renorm_momentum
+        self.adjustment = adjustment
+        self.num_dev = num_dev
+        self.sync_statistics = sync_statistics
+        self.zero_debias = zero_debias
+        self.axis = axis
+        self.virtual_batch_size = virtual_batch_size
+        self.channels_last = True
+        self.channels = None
+
+    def error(self, message, exc=ValueError):
+        return exc('%s: %s' % (self.layer, message))
+
+    def validate(self):
+        """Checks every option and the input; fills ``channels`` and ``channels_last``."""
+        x = self.inputs
+        if not isinstance(x, (tf.Tensor, tf.Variable)):
+            try:
+                x = self.inputs = tf.convert_to_tensor(x)
+            except (TypeError, ValueError) as e:
+                raise self.error('inputs must be a tensor (%s).' % e, TypeError)
+        dtype = x.dtype.base_dtype
+        if dtype not in _FLOAT_DTYPES:
+            raise self.error('inputs have dtype %s; batch norm needs float16, bfloat16 or '
+                             'float32 inputs (cast integers with tf.cast first).'
+                             % dtype.name, TypeError)
+        rank = x.shape.ndims
+        if rank is None:
+            raise self.error('inputs have unknown rank; give them a static shape (for '
+                             'example with tf.ensure_shape).')
+        if not 2 <= rank <= 5:
+            raise self.error('inputs have rank %d; batch norm supports rank 2 to 5 '
+                             '([N, C] ... [N, D, H, W, C]).' % rank)
+        if self.data_format not in _FORMATS:
+            raise self.error('unknown data_format %r; use one of %s.'
+                             % (self.data_format, sorted(_FORMATS)))
+        channels_last, needs_rank = _FORMATS[self.data_format]
+        if needs_rank is not None and rank != needs_rank:
+            raise self.error('data_format %r needs rank-%d inputs, got rank %d; use %r.'
+                             % (self.data_format, needs_rank, rank,
+                                'NHWC' if channels_last else 'NCHW'))
+        if self.axis is not None:
+            if self.axis not in (1, rank - 1, -1):
+                raise self.error('axis=%r: only the channel axis 1 or the last axis is '
+                                 'supported.' % (self.axis,))
+            channels_last = self.axis in (-1, rank - 1)
+        if rank == 2:
+            channels_last = True
+        self.channels_last = channels_last
+        channels = x.shape[-1 if channels_last else 1]
+        if channels is None:
+            raise self.error('the channel dimension (axis %d) of inputs %s is unknown; it '
+                             'must be known at graph build to create the variables.'
+                             % (-1 if channels_last else 1, x.shape))
+        self.channels = int(channels)
+        self._check_number('momentum', self.momentum, 0.0, 1.0)
+        self._check_number('epsilon', self.epsilon, 0.0, None)
+        self._check_number('renorm_decay', self.renorm_momentum, 0.0, 1.0)
+        if not isinstance(self.is_training, bool):
+            t = self.is_training
+            if not isinstance(t, (tf.Tensor, tf.Variable)) or t.dtype.base_dtype != tf.bool \
+                    or t.shape.ndims not in (0, None):
+                raise self.error('is_training must be a Python bool or a scalar bool tensor, '
+                                 'got %r.' % (t,), TypeError)
+        if self.num_dev is not None and (isinstance(self.num_dev, bool) or
+                                         not isinstance(self.num_dev, int) or self.num_dev < 1):
+            raise self.error('num_dev must be a positive int or None, got %r.' % (self.num_dev,))
+        if self.fused not in (None, True, False):
+            raise self.error('fused must be None, True or False, got %r.' % (self.fused,))
+        if self.batch_weights is not None:
+            if self.fused:
+                raise self.error('fused=True cannot be used with batch_weights (weighted '
+                                 'moments have no fused kernel); use fused=None or False.')
+            self.batch_weights = tf.convert_to_tensor(self.batch_weights)
+            w = self.batch_weights
+            if w.shape.ndims not in (None, 1):
+                raise self.error('batch_weights must have shape [batch], got %s.' % w.shape)
+            if not w.shape[:1].is_compatible_with(x.shape[:1]):
+                raise self.error('batch_weights shape %s does not match the batch of inputs %s.'
+                                 % (w.shape, x.shape))
+        if self.renorm:
+            self.renorm_clipping = check_dict_keys(self.layer, 'renorm_clipping',
+                                                   self.renorm_clipping, _RENORM_CLIPPING_KEYS)
+        elif self.renorm_clipping:
+            raise self.error('renorm_clipping is given but renorm=False; set renorm=True.')
+        if self.adjustment is not None and not callable(self.adjustment):
+            raise self.error('adjustment must be a callable, got %r.' % (self.adjustment,),
+                             TypeError)
+        if self.sync_statistics is not None and not isinstance(
+                self.sync_statistics, (str, backends.SyncBackend)):
+            raise self.error('sync_statistics must be None, a string or a SyncBackend, got %r.'
+                             % (self.sync_statistics,), TypeError)
+        if isinstance(self.sync_statistics, str) and \
+                self.sync_statistics.lower() not in backends.VALID_NAMES:
+            raise self.error('unknown sync_statistics=%r; use one of %s or a SyncBackend.'
+                             % (self.sync_statistics, backends.VALID_NAMES))
+
+    def _check_number(self, name, value, low, high):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            if isinstance(value, (tf.Tensor, tf.Variable)) and name == 'renorm_decay':
+                return
+            raise self.error('%s must be a number, got %r.' % (name, value), TypeError)
+        if value < low or (high is not None and value > high):
+            raise self.error('%s=%r is outside [%s, %s].' % (name, value, low,
+                                                             high if high is not None else 'inf'))
+
+    @property
+    def needs_slow_path(self):
+        """Options that the fused custom-gradient op does not cover."""
+        return (self.batch_weights is not None or self.fused is False or self.renorm or
+                self.adjustment is not None)
+
+
+# --------------------------------------------------------------------------
+# Towers and backends.
+
+class TowerInfo(collections.namedtuple('TowerInfo', ['ctx', 'index', 'towers'])):
+    """Where a layer call is built: its tower context (or None), index and count."""
+
+
+def tower_info(config):
+    """Resolves this call's tower index and the number of towers in its group."""
+    ctx = get_current_tower_context()
+    if ctx is not None:
+        return TowerInfo(ctx, ctx.index, ctx.total)
+    if config.num_dev is None or config.num_dev == 1:
+        return TowerInfo(None, 0, 1)
+    scope = tf1.get_default_graph().get_name_scope()
+    index = tower_index_from_name(scope)
+    if index is None:
+        raise config.error(
+            'num_dev=%d but the layer is built outside any tower: build each tower in '
+            'tower.TowerContext (or call_for_each_tower), or at least under a name scope '
+            "'tower<i>' so that the tower index is known." % config.num_dev)
+    if index >= config.num_dev:
+        raise config.error('the name scope %r says tower %d but num_dev=%d.'
+                           % (scope, index, config.num_dev))
+    return TowerInfo(None, index, config.num_dev)
+
+
+def resolve_sync(config, info):
+    """Returns ``(backend, key)`` for a training call, or ``(None, None)`` for local stats."""
+    device = _engine.canonical_device(_current_device())
+    backend = backends.resolve(config.sync_statistics, config.layer, device, info.towers)
+    if backend is None:
+        if config.num_dev is not None and info.ctx is not None and config.num_dev != info.towers:
+            raise config.error('num_dev=%d disagrees with the %d towers of the tower context; '
+                               'drop num_dev or fix it.' % (config.num_dev, info.towers))
+        return None, None
+    group_size = backend.group_size(info.towers)
+    if info.ctx is not None and config.num_dev is not None and config.num_dev != group_size:
+        raise config.error(
+            'num_dev=%d disagrees with the sync group of %d member(s) (%d tower(s) x %r); '
+            'drop num_dev or fix it.' % (config.num_dev, group_size, info.towers, backend))
+    if group_size == 1:
+        return None, None
+    scope = tf1.get_variable_scope().name
+    key = _engine.make_sync_key(scope, info.index, group_size, device, info.ctx)
+    backend.check(key)
+    _engine.get_registry().register(key, info.index, info.towers, backend,
+                                    track=info.ctx is not None)
+    return backend, key
+
+
+def _current_device():
+    """The device that ops built here are placed on (the innermost tf.device)."""
+    return tf.no_op(name='device_probe').device
+
+
+# --------------------------------------------------------------------------
+# Modes.
+
+def _restore(y4, x):
+    """Reshapes a canonical view back to the shape of ``x`` (free when rank 4)."""
+    if y4.shape.ndims == x.shape.ndims:
+        return y4
+    y = tf.reshape(y4, tf.shape(x))
+    y.set_shape(x.shape)
+    return y
+
+
+def _vector(value, default):
+    """A float32 [C] tensor for an optional variable (beta/gamma)."""
+    if value is None:
+        return default
+    return tf.convert_to_tensor(value)
+
+
+def _train_stats_and_output(config, params, info, x4, fmt):
+    """Training mode: normalizes with global batch statistics.
+
+    Returns:
+      ``(y, mean, moving_variance_target, renorm_stats)`` where ``mean`` and
+      ``moving_variance_target`` feed the moving averages (no gradient).
+    """
+    channels = config.channels
+    ones = tf.ones([channels], tf.float32)
+    zeros = tf.zeros([channels], tf.float32)
+    gamma = _vector(params.gamma, ones)
+    beta = _vector(params.beta, zeros)
+    backend, key = resolve_sync(config, info)
+    if not config.needs_slow_path:
+        if backend is None:
+            y4, mean, var_unbiased = _math.fused_train(x4, gamma, beta, config.epsilon, fmt)
+            return (_restore(y4, config.inputs), tf.stop_gradient(mean),
+                    tf.stop_gradient(var_unbiased), None)
+        y4, moments = _engine.train_normalize(x4, fmt, gamma, beta, config.epsilon, backend, key)
+        return (_restore(y4, config.inputs), moments.mean,
+                _math.bessel_correct(moments.variance, moments.count), None)
+
+    # Slow path: differentiable moments through a differentiable all-reduce, then
+    # separate ops for renorm / adjustment / weights.
+    weights = config.batch_weights
+    moments = _engine.differentiable_moments(x4, fmt, weights, backend, key)
+    bshape = _math.broadcast_shape(fmt, channels)
+    xs4 = moments.shifted_inputs
+    var = moments.variance
+    inv = tf.math.rsqrt(var + config.epsilon)
+    xhat4 = (xs4 - tf.reshape(tf.cast(moments.shifted_mean, xs4.dtype), bshape)) * \
+        tf.reshape(tf.cast(inv, xs4.dtype), bshape)
+    xhat = _restore(xhat4, config.inputs)
+    oshape = _math.layout_broadcast_shape(config.inputs.shape.ndims,
+                                          config.channels_last, channels)
+    scale, offset = tf.reshape(ones, oshape), tf.reshape(zeros, oshape)
+    renorm_stats = None
+    if config.renorm:
+        r, d, renorm_stats = _renorm_correction(config, params.renorm, moments.mean, var)
+        scale, offset = tf.reshape(r, oshape), tf.reshape(d, oshape)
+    if config.adjustment is not None:
+        adj_scale, adj_bias = config.adjustment(tf.shape(config.inputs))
+        adj_scale = tf.cast(adj_scale, tf.float32)
+        adj_bias = tf.cast(adj_bias, tf.float32)
+        scale, offset = scale * adj_scale, offset * adj_scale + adj_bias
+    g = tf.reshape(gamma, oshape)
+    scale, offset = scale * g, offset * g + tf.reshape(beta, oshape)
+    y = xhat * tf.cast(scale, xhat.dtype) + tf.cast(offset, xhat.dtype)
+    if weights is None:
+        target_var = _math.bessel_correct(var, moments.count)
+    else:
+        target_var = var
+    return (y, tf.stop_gradient(moments.mean), tf.stop_gradient(target_var), renorm_stats)
+
+
+def _renorm_correction(config, renorm_vars, mean, var):
+    """Batch Renormalization's ``r`` and ``d`` (no gradient) from global moments."""
+    stddev = tf.sqrt(var + config.epsilon)
+    renorm_mean = tf.convert_to_tensor(renorm_vars.mean)
+    renorm_stddev = tf.maximum(tf.convert_to_tensor(renorm_vars.stddev),
+                               tf.sqrt(tf.constant(config.epsilon, tf.float32)))
+    r = stddev / renorm_stddev
+    d = (mean - renorm_mean) / renorm_stddev
+    clip = config.renorm_clipping or {}
+    rmin, rmax, dmax = clip.get('rmin'), clip.get('rmax'), clip.get('dmax')
+    if rmin is not None:
+        r = tf.maximum(r, tf.cast(rmin, r.dtype))
+    if rmax is not None:
+        r = tf.minimum(r, tf.cast(rmax, r.dtype))
+    if dmax is not None:
+        dmax = tf.cast(dmax, d.dtype)
+        d = tf.clip_by_value(d, -dmax, dmax)
+    return tf.stop_gradient(r), tf.stop_gradient(d), (tf.stop_gradient(mean),
+                                                      tf.stop_gradient(stddev))
+
+
+def _infer_output(config, params, x4, fmt):
+    """Inference / frozen statistics: one fused kernel on the moving statistics."""
+    ones = tf.ones([config.channels], tf.float32)
+    zeros = tf.zeros([config.channels], tf.float32)
+    y4, _ = _math.normalize(x4, _vector(params.gamma, ones), _vector(params.beta, zeros),
+                            tf.convert_to_tensor(params.moving_mean),
+                            tf.convert_to_tensor(params.moving_variance), config.epsilon, fmt)
+    return _restore(y4, config.inputs)
+
+
+def _update_ops(config, params, mean, variance, renorm_stats, decay=None):
+    """The moving-average assignments of one training step."""
+    momentum = config.momentum if decay is None else decay
+    ops = [
+        moving_averages.assign_moving_average(params.moving_mean, mean, momentum,
+                                              zero_debias=config.zero_debias,
+                                              name='update_moving_mean'),
+        moving_averages.assign_moving_average(params.moving_variance, variance, momentum,
+                                              zero_debias=False, name='update_moving_variance'),
+    ]
+    if renorm_stats is not None:
+        rmean, rstd = renorm_stats
+        ops.append(moving_averages.assign_moving_average(
+            params.renorm.mean, rmean, config.renorm_momentum, zero_debias=False,
+            name='update_renorm_mean'))
+        ops.append(moving_averages.assign_moving_average(
+            params.renorm.stddev, rstd, config.renorm_momentum, zero_debias=False,
+            name='update_renorm_stddev'))
+    return ops
+
+
+def batch_norm(config, params, updates_collections=tf1.GraphKeys.UPDATE_OPS,
+               update_moving=True, decay=None):
+    """Builds one batch-norm call from a validated :class:`Config`.
+
+    Args:
+      config: the options (``validate()`` already called).
+      params: the layer's :class:`Params`.
+      updates_collections: where the moving-average updates go, or None for
+        control dependencies on the output.
+      update_moving: False never updates the moving statistics.
+      decay: optional tensor overriding ``config.momentum`` (fine-tune mode).
+
+    Returns:
+      The output tensor, with the shape and dtype of the input.
+    """
+    x = config.inputs
+    info = tower_info(config)
+    x4, fmt = _math.canonical_view(x, config.channels_last)
+    training = config.is_training
+    do_update = update_moving and info.index == 0
+
+    updates = []
+    if training is False:
+        y = _infer_output(config, params, x4, fmt)
+    elif training is True:
+        y, mean, var, renorm_stats = _train_stats_and_output(config, params, info, x4, fmt)
+        if do_update:
+            updates = _update_ops(config, params, mean, var, renorm_stats, decay)
+    else:
+        def train_branch():
+            y, m, v, rs = _train_stats_and_output(config, params, info, x4, fmt)
+            return (y, m, v) + (tuple(rs) if rs is not None else ())
+
+        def infer_branch():
+            y = _infer_output(config, params, x4, fmt)
+            extra = ()
+            if config.renorm:
+                extra = (tf.convert_to_tensor(params.renorm.mean),
+                         tf.convert_to_tensor(params.renorm.stddev))
+            return (y, tf.convert_to_tensor(params.moving_mean),
+                    tf.convert_to_tensor(params.moving_variance)) + extra
+
+        outs = tf.cond(training, train_branch, infer_branch, name='is_training')
+        y, mean, var = outs[0], outs[1], outs[2]
+        renorm_stats = tuple(outs[3:5]) if config.renorm else None
+        if do_update:
+            updates = [tf.cond(training,
+                               lambda: tf.group(*_update_ops(config, params, mean, var,
+                                                             renorm_stats, decay)),
+                               tf.no_op, name='maybe_update')]
+    if updates:
+        if updates_collections is None:
+            with tf.control_dependencies(updates):
+                y = tf.identity(y)
+        else:
+            for op in updates:
+                tf1.add_to_collections(updates_collections, op)
+    y.set_shape(x.shape)
+    return y

@@ -1,0 +1,244 @@
+"""All-reduce backends for synchronized statistics.
+
+Each backend is one small object with the same two methods:
+
+* ``group_size(towers)``: how many members the all-reduce has, given the
+  number of towers built in this graph;
+* ``all_reduce(tensor, key, direction)``: the element-wise sum of ``tensor``
+  over every member, built on ``key.device``.
+
+``key`` is a :class:`SyncKey`; ``direction`` is ``'forward'`` or
+``'backward'``. Every member of a group must build the same keys, in any
+order; names and keys are derived from layer names, never from counters that
+differ between towers or processes.
+
+Choose a backend with the ``sync_statistics`` argument of the layers: a string
+(``'collective'``, ``'nccl'``, ``'horovod'``, ``'auto'``), None, or a backend
+object such as ``CollectiveBackend(timeout=30)``.
+"""
+
+import collections
+import hashlib
+import os
+import re
+
+import tensorflow as tf
+
+__all__ = ['SyncBackend', 'SyncKey', 'CollectiveBackend', 'NcclBackend', 'HorovodBackend',
+           'stable_hash', 'DEFAULT_TIMEOUT']
+
+#: Seconds a collective all-reduce waits for the other members before it fails
+#: with ``DeadlineExceededError`` (override with ``TF1_SYNCBN_TIMEOUT``).
+DEFAULT_TIMEOUT = float(os.environ.get('TF1_SYNCBN_TIMEOUT', '600'))
+
+SyncKey = collections.namedtuple('SyncKey', ['name', 'layer', 'group_size', 'device'])
+SyncKey.__doc__ = """What identifies one synchronized all-reduce.
+
+Attributes:
+  name: the name shared by every member: the layer's scope with tower prefixes
+    stripped, plus the per-tower call index (``'block1/BatchNorm:0'``).
+  layer: the layer's full scope in this tower, for error messages.
+  group_size: the number of members.
+  device: the canonical device string of this member's forward op.
+"""
+
+
+def stable_hash(text, bits=31):
+    """A hash of ``text`` that is the same in every process (unlike ``hash()``).
+
+    Returns:
+      An int in ``[1, 2**bits - 1]`` (never 0, which TF reserves).
+    """
+    digest = hashlib.sha256(text.encode('utf-8')).digest()
+    value = int.from_bytes(digest[:8], 'big') % ((1 << bits) - 1)
+    return value + 1
+
+
+def device_type(device):
+    """'GPU', 'CPU', ... for a canonical device string ('' when unplaced)."""
+    return tf.DeviceSpec.from_string(device or '').device_type or ''
+
+
+class SyncBackend(object):
+    """Interface of an all-reduce backend (see the module docstring)."""
+
+    #: The string that selects this backend in ``sync_statistics``.
+    name = None
+
+    def group_size(self, towers):
+        """Number of all-reduce members when ``towers`` towers are in this graph."""
+        return towers
+
+    def check(self, key):
+        """Raises ``ValueError`` at graph build when ``key`` cannot work here."""
+        del key
+
+    def all_reduce(self, tensor, key, direction):
+        """Returns the sum of ``tensor`` over all members."""
+        raise NotImplementedError
+
+    def __repr__(self):
+        return '%s()' % type(self).__name__
+
+
+class CollectiveBackend(SyncBackend):
+    """TensorFlow collective ops (``CollectiveReduce``): CPU, GPU, and across workers.
+
+    The group key is derived from the device type and the group size, the
+    instance keys from the layer names, so that every tower (and every worker
+    process running the same graph) agrees on them without communication.
+
+    Args:
+      timeout: seconds to wait for the other members before failing with
+        ``tf.errors.DeadlineExceededError``; this turns every mismatch that the
+        graph builder cannot see (a tower that skips a layer, update ops run
+        without the forward pass of the other towers) into an error instead of a
+        hang. None uses :data:`DEFAULT_TIMEOUT`; 0 waits forever.
+      communication_hint: passed to TensorFlow (``'auto'``, ``'ring'`` or
+        ``'nccl'``).
+      num_workers: the number of worker processes that each build the same
+        towers (multi-worker training); the group then spans
+        ``towers * num_workers`` members. The session must be configured for
+        collectives across processes (``experimental.collective_group_leader``).
+    """
+
+    name = 'collective'
+
+    def __init__(self, timeout=None, communication_hint='auto', num_workers=1):
+        if timeout is None:
+            timeout = DEFAULT_TIMEOUT
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+            raise ValueError('CollectiveBackend: timeout must be a number of seconds >= 0, '
+                             'got %r.' % (timeout,))
+        if communication_hint not in ('auto', 'ring', 'nccl'):
+            raise ValueError("CollectiveBackend: communication_hint must be 'auto', 'ring' or "
+                             "'nccl', got %r." % (communication_hint,))
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError('CollectiveBackend: num_workers must be a positive int, got %r.'
+                             % (num_workers,))
+        self.timeout = float(timeout)
+        self.communication_hint = communication_hint
+        self.num_workers = num_workers
+
+    def group_size(self, towers):
+        return towers * self.num_workers
+
+    def group_key(self, key):
+        return stable_hash('tf1_syncbn/group/%s/%d' % (device_type(key.device), key.group_size))
+
+    def instance_key(self, key, direction):
+        return stable_hash('tf1_syncbn/instance/%s/%s' % (key.name, direction))
+
+    def check(self, key):
+        if key.group_size > 1 and not key.device:
+            raise ValueError(
+                "%s: sync_statistics='collective' needs each tower on its own device, but this "
+                "tower has no device. Build towers under tf.device (for example with "
+                "tower.call_for_each_tower)." % key.layer)
+
+    def all_reduce(self, tensor, key, direction):
+        from tensorflow.python.ops import collective_ops
+        with tf.device(key.device):
+            return collective_ops.all_reduce(
+                tensor, key.group_size, self.group_key(key), self.instance_key(key, direction),
+                merge_op='Add', final_op='Id', communication_hint=self.communication_hint,
+                timeout=self.timeout)
+
+    def __repr__(self):
+        return 'CollectiveBackend(timeout=%r, num_workers=%d)' % (self.timeout, self.num_workers)
+
+
+class NcclBackend(SyncBackend):
+    """``NcclAllReduce`` between the GPUs of one process.
+
+    Shared names are the layer names with tower prefixes stripped. NCCL has no
+    CPU kernel and no timeout: a tower that does not run the layer makes the
+    others wait forever. Statistics are packed in float64 and gradients in
+    float32, so bfloat16 inputs work although NCCL has no bfloat16 reduction.
+    """
+
+    name = 'nccl'
+
+    def check(self, key):
+        if key.group_size > 1 and device_type(key.device) != 'GPU':
+            raise ValueError(
+                "%s: sync_statistics='nccl' needs every tower on a GPU, but this tower is on "
+                "%r (NCCL has no CPU kernel). Use sync_statistics='collective' instead."
+                % (key.layer, key.device or 'no device'))
+
+    def shared_name(self, key, direction):
+        return re.sub(r'[^A-Za-z0-9_./-]', '_', 'tf1_syncbn/%s/%s' % (key.name, direction))
+
+    def all_reduce(self, tensor, key, direction):
+        from tensorflow.python.ops import gen_nccl_ops
+        with tf.device(key.device):
+            return gen_nccl_ops.nccl_all_reduce(
+                input=tensor, reduction='sum', num_devices=key.group_size,
+                shared_name=self.shared_name(key, direction))
+
+
+class HorovodBackend(SyncBackend):
+    """``horovod.tensorflow.allreduce`` across processes (one tower per process).
+
+    The group is every Horovod process; ops are matched across processes by
+    name, which is derived from the layer name.
+    """
+
+    name = 'horovod'
+
+    def __init__(self):
+        try:
+            import horovod.tensorflow as hvd
+        except ImportError as e:
+            raise ValueError("sync_statistics='horovod' needs horovod.tensorflow, which does "
+                             "not import here (%s). Install horovod or choose another "
+                             "backend." % e)
+        self._hvd = hvd
+
+    def group_size(self, towers):
+        return self._hvd.size() * towers
+
+    def all_reduce(self, tensor, key, direction):
+        name = re.sub(r'[^A-Za-z0-9_.-]', '_', 'tf1_syncbn.%s.%s' % (key.name, direction))
+        with tf.device(key.device):
+            return self._hvd.allreduce(tensor, op=self._hvd.Sum, name=name)
+
+
+_BY_NAME = {
+    'collective': CollectiveBackend,
+    'nccl': NcclBackend,
+    'horovod': HorovodBackend,
+}
+
+VALID_NAMES = (None, 'auto') + tuple(_BY_NAME)
+
+
+def resolve(spec, layer, device, towers):
+    """Turns a ``sync_statistics`` value into a backend object or None.
+
+    Args:
+      spec: None, a backend name, ``'auto'`` or a :class:`SyncBackend`.
+      layer: the layer's name, for messages.
+      device: this tower's canonical device string.
+      towers: the number of towers in the sync group of this graph.
+
+    Returns:
+      A :class:`SyncBackend`, or None for per-tower statistics.
+
+    ``'auto'`` picks None for a single tower, ``'nccl'`` when this tower is on
+    a GPU and ``'collective'`` otherwise.
+    """
+    if spec is None or isinstance(spec, SyncBackend):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError('%s: sync_statistics must be None, a string or a SyncBackend, got %r.'
+                        % (layer, spec))
+    name = spec.lower()
+    if name == 'auto':
+        if towers <= 1:
+            return None
+        name = 'nccl' if device_type(device) == 'GPU' else 'collective'
+    if name not in _BY_NAME:
+        raise ValueError('%s: unknown sync_statistics=%r; use one of %s or a SyncBackend '
+                         'object.' % (layer, spec, ', '.join(repr(v) for v in VALID_NAMES)))
+    return _BY_NAME[name]()

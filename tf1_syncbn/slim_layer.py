@@ -1,0 +1,189 @@
+"""``sync_batch_norm``: a drop-in, synchronized ``slim.batch_norm``."""
+
+import tensorflow as tf
+from tf_slim.layers import utils as slim_utils
+from tf_slim.ops import variables as slim_variables
+from tf_slim.ops.arg_scope import add_arg_scope
+
+from tf1_syncbn import _layer_core as core
+
+__all__ = ['sync_batch_norm']
+
+tf1 = tf.compat.v1
+
+_PARAM_INITIALIZER_KEYS = ('beta', 'gamma', 'moving_mean', 'moving_variance')
+_PARAM_REGULARIZER_KEYS = ('beta', 'gamma')
+
+
+@add_arg_scope
+def sync_batch_norm(inputs,
+                    decay=0.999,
+                    center=True,
+                    scale=False,
+                    epsilon=0.001,
+                    activation_fn=None,
+                    param_initializers=None,
+                    param_regularizers=None,
+                    updates_collections=tf1.GraphKeys.UPDATE_OPS,
+                    is_training=True,
+                    reuse=None,
+                    variables_collections=None,
+                    outputs_collections=None,
+                    trainable=True,
+                    batch_weights=None,
+                    fused=None,
+                    data_format='NHWC',
+                    zero_debias_moving_mean=False,
+                    scope=None,
+                    renorm=False,
+                    renorm_clipping=None,
+                    renorm_decay=0.99,
+                    adjustment=None,
+                    num_dev=None,
+                    sync_statistics='auto'):
+    """Synchronized batch normalization with the signature of ``slim.batch_norm``.
+
+    In training, the statistics are those of the *global* batch: every tower of
+    the sync group (the tower context's ``total``, or ``num_dev``) contributes
+    its examples, and the gradient flows through the global statistics. The
+    result, its gradients and the moving statistics equal those of one device
+    running fused batch norm on the concatenation of the towers' batches,
+    whatever the per-tower batch sizes (uneven or empty ones included).
+
+    Communication is one packed all-reduce forward and one backward per call.
+
+    Use it wherever ``slim.batch_norm`` is used::
+
+        with slim.arg_scope([slim.conv2d], normalizer_fn=sync_batch_norm,
+                            normalizer_params={'decay': 0.9, 'scale': True}):
+            net = slim.conv2d(images, 64, [3, 3])
+
+    Variable names (under ``scope``, default ``'BatchNorm'``), as in slim so
+    that slim checkpoints restore unchanged:
+
+    * ``beta``: the offset, when ``center``.
+    * ``gamma``: the scale, when ``scale``.
+    * ``moving_mean``, ``moving_variance``: the moving statistics. The moving
+      variance tracks the Bessel-corrected (unbiased) variance of the global
+      batch, as single-device fused batch norm does.
+    * with ``renorm``: ``renorm_mean``, ``renorm_stddev`` and their
+      ``*_weight`` debiasing counters.
+    * with ``zero_debias_moving_mean``: ``moving_mean/biased`` and
+      ``moving_mean/local_step``.
+
+    Float16 and bfloat16 inputs keep float32 variables and float32 statistics.
+
+    When synchronization hangs, and how it fails instead:
+
+    * Every tower of a sync group must build the same synchronized layers the
+      same number of times, under the same scope names (tower prefixes are
+      stripped). Towers built with ``tower.TowerContext`` are checked when the
+      last tower is built, and a mismatch raises ``ValueError``.
+    * Every tower must *run* each synchronized layer in the same step. With
+      ``sync_statistics='collective'`` a member that waits longer than the
+      backend's timeout fails with ``DeadlineExceededError``; NCCL has no
+      timeout and waits forever.
+    * The moving-average updates (in ``updates_collections``) depend on the
+      global statistics: run them in the same ``session.run`` as the forward
+      pass of every tower (for example, as a control dependency of the train
+      op). Run alone, they wait for the other towers and time out (or hang
+      with NCCL). ``updates_collections=None`` avoids the question.
+
+    Args:
+      inputs: a tensor of rank 2 to 5 with a known channel dimension:
+        ``[N, C]``, ``[N, L, C]``, ``[N, H, W, C]``, ``[N, D, H, W, C]`` (or
+        channels first). float16, bfloat16 or float32.
+      decay: decay of the moving averages (``1 - momentum``-style, 0.999 means
+        slow).
+      center: add the learned offset ``beta``.
+      scale: multiply by the learned ``gamma``.
+      epsilon: added to the variance.
+      activation_fn: applied to the output, or None.
+      param_initializers: optional dict with keys among ``beta``, ``gamma``,
+        ``moving_mean``, ``moving_variance``.
+      param_regularizers: optional dict with keys among ``beta``, ``gamma``.
+      updates_collections: collections that receive the moving-average update
+        ops, or None to run them as control dependencies of the output.
+      is_training: a Python bool or a scalar bool tensor. True normalizes with
+        batch statistics (synchronized) and updates the moving averages on the
+        main tower; False normalizes with the moving statistics in one fused
+        kernel, and still trains ``gamma``/``beta`` (frozen statistics).
+      reuse: reuse the variables of ``scope``.
+      variables_collections: a list of collections, or a dict from the
+        variable keys above to collections, for the variables.
+      outputs_collections: collections that receive the output.
+      trainable: whether ``beta`` and ``gamma`` are trainable.
+      batch_weights: optional ``[batch]`` tensor of per-example weights;
+        statistics become weighted moments of the global batch.
+      fused: None or True uses fused kernels where they are exact; False uses
+        separate ops. True with options that cannot be fused (``batch_weights``)
+        raises ``ValueError``.
+      data_format: ``'NHWC'`` or ``'NCHW'`` (any rank), ``'NDHWC'`` or
+        ``'NCDHW'`` (rank 5). Rank-2 inputs are always ``[N, C]``.
+      zero_debias_moving_mean: debias the moving mean (slim's option).
+      scope: variable scope, default ``'BatchNorm'``.
+      renorm: use Batch Renormalization (Ioffe, 2017) with synchronized moments.
+      renorm_clipping: dict with keys among ``rmax``, ``rmin``, ``dmax``.
+      renorm_decay: decay of the renorm moving statistics.
+      adjustment: a function from the input's dynamic shape to a pair
+        ``(scale, bias)`` applied to the normalized output, as in slim.
+      num_dev: the number of all-reduce members. Inside a ``TowerContext`` it
+        must agree with the towers (and may be omitted); outside one, it gives
+        the group size and the tower index is read from a ``tower<i>`` name
+        scope, as in the classic multi-GPU scripts.
+      sync_statistics: ``'auto'`` (NCCL when the tower is on a GPU, collective
+        ops otherwise, nothing with a single tower), ``'collective'``,
+        ``'nccl'``, ``'horovod'``, None (per-tower statistics) or a
+        :class:`tf1_syncbn.SyncBackend` object.
+
+    Returns:
+      A tensor with the shape and dtype of ``inputs``.
+
+    Raises:
+      ValueError, TypeError: on invalid configuration or input, at graph build.
+    """
+    config = core.Config(
+        layer='sync_batch_norm', inputs=inputs, data_format=data_format,
+        is_training=is_training, momentum=decay, epsilon=epsilon, center=center,
+        scale=scale, batch_weights=batch_weights, fused=fused, renorm=renorm,
+        renorm_clipping=renorm_clipping, renorm_momentum=renorm_decay,
+        adjustment=adjustment, num_dev=num_dev, sync_statistics=sync_statistics,
+        zero_debias=zero_debias_moving_mean)
+    initializers = core.check_dict_keys(config.layer, 'param_initializers',
+                                        param_initializers, _PARAM_INITIALIZER_KEYS)
+    regularizers = core.check_dict_keys(config.layer, 'param_regularizers',
+                                        param_regularizers, _PARAM_REGULARIZER_KEYS)
+
+    with tf1.variable_scope(scope, 'BatchNorm', [inputs], reuse=reuse) as sc:
+        config.layer = 'sync_batch_norm(%s)' % sc.name
+        config.validate()
+        channels = config.channels
+
+        def make(name, initializer, trainable_var, regularizer=None):
+            return slim_variables.model_variable(
+                name, shape=[channels], dtype=tf.float32, initializer=initializer,
+                regularizer=regularizer, trainable=trainable_var,
+                collections=slim_utils.get_variable_collections(variables_collections, name))
+
+        beta = gamma = None
+        if center:
+            beta = make('beta', initializers.get('beta', tf1.zeros_initializer()), trainable,
+                        regularizers.get('beta'))
+        if scale:
+            gamma = make('gamma', initializers.get('gamma', tf1.ones_initializer()), trainable,
+                         regularizers.get('gamma'))
+        moving_mean = make('moving_mean',
+                           initializers.get('moving_mean', tf1.zeros_initializer()), False)
+        moving_var = make('moving_variance',
+                          initializers.get('moving_variance', tf1.ones_initializer()), False)
+        renorm_vars = None
+        if renorm:
+            renorm_vars = core.RenormVariables.create(
+                channels, lambda name, init: make(name, init, False))
+
+        outputs = core.batch_norm(
+            config, core.Params(beta, gamma, moving_mean, moving_var, renorm_vars),
+            updates_collections=updates_collections)
+        if activation_fn is not None:
+            outputs = activation_fn(outputs)
+        return slim_utils.collect_named_outputs(outputs_collections, sc.name, outputs)
