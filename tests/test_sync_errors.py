@@ -1,0 +1,155 @@
+"""Bad configuration fails at graph build with a clear error; mismatches never hang."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from bn_reference import build_towers
+from conftest import make_session
+from tf1_syncbn import CollectiveBackend, sync_batch_norm
+from tower import TowerContext, call_for_each_tower, get_current_tower_context
+
+tf1 = tf.compat.v1
+
+
+def ph(shape, dtype=tf.float32):
+    return tf1.placeholder(dtype, shape)
+
+
+@pytest.mark.parametrize('make,kwargs,exc,match', [
+    (lambda: ph([None, 4, 4, None]), {}, ValueError, 'channel dimension'),
+    (lambda: ph([None, None, 4, 4]), dict(data_format='NCHW'), ValueError, 'channel dimension'),
+    (lambda: ph([None]), {}, ValueError, 'rank 1'),
+    (lambda: ph([2, 2, 2, 2, 2, 3]), {}, ValueError, 'rank 6'),
+    (lambda: ph(None), {}, ValueError, 'unknown rank'),
+    (lambda: ph([None, 3], tf.int32), {}, TypeError, 'int32'),
+    (lambda: ph([None, 3], tf.float64), {}, TypeError, 'float64'),
+    (lambda: ph([None, 3]), dict(data_format='NWHC'), ValueError, 'data_format'),
+    (lambda: ph([None, 4, 4, 3]), dict(data_format='NDHWC'), ValueError, 'rank-5'),
+    (lambda: ph([None, 3]), dict(sync_statistics='mpi'), ValueError, 'sync_statistics'),
+    (lambda: ph([None, 3]), dict(sync_statistics=3), TypeError, 'sync_statistics'),
+    (lambda: ph([None, 3]), dict(param_initializers={'gama': 1}), ValueError, 'gama'),
+    (lambda: ph([None, 3]), dict(param_regularizers={'moving_mean': 1}), ValueError,
+     'moving_mean'),
+    (lambda: ph([None, 3]), dict(param_initializers=[1]), TypeError, 'dict'),
+    (lambda: ph([None, 3]), dict(is_training='yes'), TypeError, 'is_training'),
+    (lambda: ph([None, 3]), dict(is_training=ph([2], tf.bool)), TypeError, 'is_training'),
+    (lambda: ph([None, 3]), dict(decay=1.5), ValueError, 'momentum'),
+    (lambda: ph([None, 3]), dict(epsilon=-1.0), ValueError, 'epsilon'),
+    (lambda: ph([None, 3]), dict(num_dev=0), ValueError, 'num_dev'),
+    (lambda: ph([None, 3]), dict(num_dev=2), ValueError, 'outside any tower'),
+    (lambda: ph([None, 3]), dict(fused='yes'), ValueError, 'fused'),
+    (lambda: ph([None, 3]), dict(renorm_clipping={'rmax': 3.0}), ValueError, 'renorm'),
+    (lambda: ph([None, 3]), dict(adjustment=3), TypeError, 'adjustment'),
+])
+def test_bad_input_names_the_layer(graph, make, kwargs, exc, match):
+    with pytest.raises(exc, match=match) as info:
+        sync_batch_norm(make(), scope='my_bn', **kwargs)
+    assert 'sync_batch_norm' in str(info.value)
+
+
+def test_num_dev_must_agree_with_towers(graph):
+    with pytest.raises(ValueError, match='num_dev=3 disagrees'):
+        build_towers(lambda x: sync_batch_norm(x, num_dev=3, sync_statistics='collective'),
+                     2, (None, 3))
+
+
+def test_num_dev_must_agree_with_towers_without_sync(graph):
+    with pytest.raises(ValueError, match='num_dev=3 disagrees'):
+        build_towers(lambda x: sync_batch_norm(x, num_dev=3, sync_statistics=None), 2,
+                     (None, 3))
+
+
+def test_tower_name_scope_beyond_num_dev(graph):
+    with tf.name_scope('tower5'):
+        with pytest.raises(ValueError, match='tower 5 but num_dev=2'):
+            sync_batch_norm(ph([None, 3]), num_dev=2)
+
+
+def test_towers_that_build_different_layers_fail_at_build(graph):
+    def model():
+        ctx = get_current_tower_context()
+        x = ph([None, 3])
+        y = sync_batch_norm(x, scope='shared', sync_statistics='collective')
+        if ctx.index == 0:
+            y = sync_batch_norm(y, scope='only_in_tower0', sync_statistics='collective')
+        return y
+
+    with pytest.raises(ValueError) as info:
+        call_for_each_tower(model, ['/cpu:0', '/cpu:1', '/cpu:2'])
+    message = str(info.value)
+    assert 'only_in_tower0' in message and 'missing in towers 1, 2' in message
+    assert 'shared (' not in message
+
+
+def test_a_tower_calling_a_layer_more_often_fails_at_build(graph):
+    def model():
+        ctx = get_current_tower_context()
+        x = ph([None, 3])
+        for _ in range(2 if ctx.index == 1 else 1):
+            x = sync_batch_norm(x, scope='bn', reuse=tf1.AUTO_REUSE,
+                                sync_statistics='collective')
+        return x
+
+    with pytest.raises(ValueError, match=r'bn.*missing in tower 0'):
+        call_for_each_tower(model, ['/cpu:0', '/cpu:1'])
+
+
+def test_two_towers_on_one_device_fail_at_build(graph):
+    with pytest.raises(ValueError, match='both on device'):
+        for i in range(2):
+            with tf.device('/cpu:0'), TowerContext('tower%d' % i, index=i, total=2):
+                sync_batch_norm(ph([None, 3]), sync_statistics='collective')
+
+
+def test_towers_without_devices_fail_at_build(graph):
+    with pytest.raises(ValueError, match='own device'):
+        with TowerContext('tower0', index=0, total=2):
+            sync_batch_norm(ph([None, 3]), sync_statistics='collective')
+
+
+class _OtherBackend(CollectiveBackend):
+    """Another backend type (as 'auto' could pick on mixed CPU/GPU towers)."""
+
+
+def test_mixed_backends_fail_at_build(graph):
+    with pytest.raises(ValueError, match='same backend'):
+        for i in range(2):
+            backend = CollectiveBackend() if i == 0 else _OtherBackend()
+            with tf.device('/cpu:%d' % i), TowerContext('tower%d' % i, index=i, total=2):
+                sync_batch_norm(ph([None, 3]), sync_statistics=backend)
+
+
+def test_a_tower_that_skips_a_layer_times_out_at_run_time(graph):
+    """Without TowerContext the builder cannot see the mismatch: the timeout does."""
+    xs, ys = [], []
+    for i in range(2):
+        with tf.device('/cpu:%d' % i), tf.name_scope('tower%d' % i):
+            x = ph([None, 3])
+            xs.append(x)
+            if i == 0:  # tower 1 forgets the layer
+                ys.append(sync_batch_norm(x, num_dev=2, scope='bn',
+                                          sync_statistics=CollectiveBackend(timeout=1)))
+            else:
+                ys.append(x)
+    with make_session(graph, 2) as sess:
+        sess.run(tf1.global_variables_initializer())
+        with pytest.raises(tf.errors.DeadlineExceededError):
+            sess.run(ys, {x: np.ones((2, 3)) for x in xs})
+
+
+def test_update_ops_run_alone_time_out_instead_of_hanging(graph):
+    net = build_towers(lambda x: sync_batch_norm(
+        x, sync_statistics=CollectiveBackend(timeout=1)), 2, (None, 3))
+    updates = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
+    assert len(updates) == 2
+    feed = {x: np.ones((2, 3)) for x in net['xs']}
+    with make_session(graph, 2) as sess:
+        sess.run(tf1.global_variables_initializer())
+        with pytest.raises(tf.errors.DeadlineExceededError):
+            sess.run(updates, feed)
+    # Run together with every tower's forward pass, they work. (A timed-out
+    # collective aborts its session's collective executor: use a new session.)
+    with make_session(graph, 2) as sess:
+        sess.run(tf1.global_variables_initializer())
+        sess.run(updates + net['ys'], feed)
