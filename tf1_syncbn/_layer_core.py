@@ -335,17 +335,33 @@ def _renorm_correction(config, renorm_vars, mean, var):
     if dmax is not None:
         dmax = tf.cast(dmax, d.dtype)
         d = tf.clip_by_value(d, -dmax, dmax)
-    return tf.stop_gradient(r), tf.stop_gradient(d), (tf.stop_gradient(mean),
-                                                      tf.stop_gradient(stddev))
+    r, d = tf.stop_gradient(r), tf.stop_gradient(d)
+    # The renorm statistics are updated in the same step: read them first.
+    with tf.control_dependencies([r, d]):
+        new_stats = (tf.identity(tf.stop_gradient(mean)), tf.identity(tf.stop_gradient(stddev)))
+    return r, d, new_stats
 
 
 def _infer_output(config, params, x4, fmt):
-    """Inference / frozen statistics: one fused kernel on the moving statistics."""
+    """Inference / frozen statistics: one fused kernel on the moving statistics.
+
+    With ``fused=False`` the same formula is built from separate ops.
+    """
     ones = tf.ones([config.channels], tf.float32)
     zeros = tf.zeros([config.channels], tf.float32)
-    y4, _ = _math.normalize(x4, _vector(params.gamma, ones), _vector(params.beta, zeros),
-                            tf.convert_to_tensor(params.moving_mean),
-                            tf.convert_to_tensor(params.moving_variance), config.epsilon, fmt)
+    gamma = _vector(params.gamma, ones)
+    beta = _vector(params.beta, zeros)
+    mean = tf.convert_to_tensor(params.moving_mean)
+    variance = tf.convert_to_tensor(params.moving_variance)
+    if config.fused is False:
+        x = config.inputs
+        shape = _math.layout_broadcast_shape(x.shape.ndims, config.channels_last,
+                                             config.channels)
+        scale = tf.math.rsqrt(variance + config.epsilon) * gamma
+        return ((x - tf.cast(tf.reshape(mean, shape), x.dtype)) *
+                tf.cast(tf.reshape(scale, shape), x.dtype) + tf.cast(tf.reshape(beta, shape),
+                                                                      x.dtype))
+    y4, _ = _math.normalize(x4, gamma, beta, mean, variance, config.epsilon, fmt)
     return _restore(y4, config.inputs)
 
 

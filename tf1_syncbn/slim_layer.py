@@ -68,8 +68,8 @@ def sync_batch_norm(inputs,
       batch, as single-device fused batch norm does.
     * with ``renorm``: ``renorm_mean``, ``renorm_stddev`` and their
       ``*_weight`` debiasing counters.
-    * with ``zero_debias_moving_mean``: ``moving_mean/biased`` and
-      ``moving_mean/local_step``.
+    * with ``zero_debias_moving_mean``: ``<scope>/<scope>/moving_mean/biased``
+      and ``.../local_step``, created by ``assign_moving_average`` as in slim.
 
     Float16 and bfloat16 inputs keep float32 variables and float32 statistics.
 

@@ -1,0 +1,109 @@
+"""Inference time of sync_batch_norm(is_training=False) against its anchors.
+
+Prints the median time of one forward pass (default 32x28x28x64, float32) of:
+
+* ``fused``: ``tf.nn.fused_batch_norm(is_training=False)`` on the same moving
+  statistics (the target anchor);
+* ``sync_batch_norm``: this library with ``is_training=False``;
+* ``separate_ops``: the hand-written batch norm of the seed question
+  (``rsqrt`` / multiply / subtract / add as separate ops);
+
+and the ratios. The variants run interleaved in one process. Each step
+fetches a scalar that depends on the whole output.
+
+Usage: python bench/inference.py [--shape 32,28,28,64] [--steps 50]
+"""
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tf1_syncbn import sync_batch_norm  # noqa: E402
+
+tf1 = tf.compat.v1
+EPS = 1e-3
+# Non-trivial statistics, so that no graph optimizer can fold the layer away.
+INITIALIZERS = {'moving_mean': tf1.constant_initializer(0.5),
+                'moving_variance': tf1.constant_initializer(2.0)}
+
+
+def _stats(channels):
+    gamma = tf1.get_variable('gamma', [channels], initializer=tf1.ones_initializer())
+    beta = tf1.get_variable('beta', [channels], initializer=tf1.zeros_initializer())
+    mean = tf1.get_variable('moving_mean', [channels], initializer=INITIALIZERS['moving_mean'],
+                            trainable=False)
+    var = tf1.get_variable('moving_variance', [channels],
+                           initializer=INITIALIZERS['moving_variance'], trainable=False)
+    return gamma, beta, mean, var
+
+
+def fused(x):
+    gamma, beta, mean, var = _stats(x.shape[-1])
+    y, _, _ = tf1.nn.fused_batch_norm(x, gamma, beta, mean=mean, variance=var, epsilon=EPS,
+                                      is_training=False)
+    return y
+
+
+def separate_ops(x):
+    gamma, beta, mean, var = _stats(x.shape[-1])
+    inv = tf.math.rsqrt(var + EPS) * gamma
+    return ((x * inv) - (mean * inv)) + beta
+
+
+def ours(x):
+    return sync_batch_norm(x, scale=True, epsilon=EPS, is_training=False, scope='bn',
+                           param_initializers=INITIALIZERS)
+
+
+def build(layer, shape):
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf1.Variable(np.random.RandomState(0).randn(*shape).astype(np.float32),
+                         trainable=False, name='x')
+        with tf1.variable_scope('bn'):
+            y = layer(x)
+        fetch = tf.reduce_sum(y)
+        init = tf1.global_variables_initializer()
+    sess = tf1.Session(graph=graph, config=tf1.ConfigProto(device_count={'CPU': 1}))
+    sess.run(init)
+    return sess, fetch
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--shape', default='32,28,28,64')
+    parser.add_argument('--steps', type=int, default=50)
+    parser.add_argument('--warmup', type=int, default=5)
+    args = parser.parse_args()
+    tf1.disable_eager_execution()
+    shape = tuple(int(s) for s in args.shape.split(','))
+    variants = [('fused', fused), ('sync_batch_norm', ours), ('separate_ops', separate_ops)]
+    runs = {name: build(layer, shape) for name, layer in variants}
+    for sess, fetch in runs.values():
+        for _ in range(args.warmup):
+            sess.run(fetch)
+    times = {name: [] for name in runs}
+    for _ in range(args.steps):
+        for name, (sess, fetch) in runs.items():
+            start = time.perf_counter()
+            sess.run(fetch)
+            times[name].append(time.perf_counter() - start)
+    med = {name: 1e3 * float(np.median(t)) for name, t in times.items()}
+    print('inference forward, %s, median of %d steps (ms)' % ('x'.join(map(str, shape)),
+                                                              args.steps))
+    for name, _ in variants:
+        print('  %-16s %8.3f ms' % (name, med[name]))
+    print('  ratio sync_batch_norm / fused: %.3fx  (target <= 1.05x)'
+          % (med['sync_batch_norm'] / med['fused']))
+    print('  ratio separate_ops / fused:    %.3fx' % (med['separate_ops'] / med['fused']))
+
+
+if __name__ == '__main__':
+    main()
