@@ -27,7 +27,7 @@ for _name in ('normalization', 'base', 'core', 'convolutional', 'pooling'):
 '''
 
 
-def run_reference(code, tmp_path, timeout=300):
+def run_reference(code, tmp_path, args=(), timeout=300):
     """Runs ``code`` (after the legacy-Keras shim) in a fresh interpreter.
 
     Returns:
@@ -40,7 +40,7 @@ def run_reference(code, tmp_path, timeout=300):
     script.write_text(SHIM + code)
     env = dict(os.environ, TF_USE_LEGACY_KERAS='1', TF_CPP_MIN_LOG_LEVEL='3',
                PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE)]))
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, str(script)] + list(args), env=env, capture_output=True,
                           text=True, timeout=timeout, cwd=str(tmp_path))
     if proc.returncode != 0:
         raise RuntimeError('reference script failed (needs tf-keras, installed by make test):'

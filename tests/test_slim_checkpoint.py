@@ -4,7 +4,10 @@ The reference is tf-slim itself (slim.conv2d with normalizer_fn=slim.batch_norm)
 run in a subprocess with legacy Keras.
 """
 
+import json
+
 import numpy as np
+import pytest
 import tensorflow as tf
 import tf_slim as slim
 
@@ -15,8 +18,9 @@ from tf1_syncbn import sync_batch_norm
 tf1 = tf.compat.v1
 
 MODEL = '''
-def model(images, normalizer_fn, is_training):
+def model(images, normalizer_fn, is_training, **options):
     params = {'decay': 0.8, 'scale': True, 'epsilon': 1e-3, 'is_training': is_training}
+    params.update(options)
     with slim.arg_scope([slim.conv2d], normalizer_fn=normalizer_fn, normalizer_params=params,
                         activation_fn=tf.nn.relu):
         net = slim.conv2d(images, 4, [3, 3], scope='conv1')
@@ -25,20 +29,22 @@ def model(images, normalizer_fn, is_training):
 '''
 
 SLIM_SCRIPT = '''
+import json, sys
 import numpy as np
 import tensorflow as tf
 import tf_slim as slim
 tf1 = tf.compat.v1
 tf1.disable_eager_execution()
 ''' + MODEL + '''
+options = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
 rng = np.random.RandomState(0)
 train = rng.randn(6, 8, 8, 3).astype(np.float32) * 2 + 1
 test = rng.randn(4, 8, 8, 3).astype(np.float32) * 2 + 1
 x = tf1.placeholder(tf.float32, [None, 8, 8, 3])
 with tf1.variable_scope('net'):
-    out = model(x, slim.batch_norm, True)
+    out = model(x, slim.batch_norm, True, **options)
 with tf1.variable_scope('net', reuse=True):
-    out_eval = model(x, slim.batch_norm, False)
+    out_eval = model(x, slim.batch_norm, False, **options)
 loss = tf.reduce_sum(out * np.arange(6, dtype=np.float32))
 opt = tf1.train.GradientDescentOptimizer(0.1)
 with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
@@ -60,17 +66,27 @@ print('RESULT result.npz')
 '''
 
 
-def test_restores_a_slim_checkpoint_and_takes_the_same_step(graph, tmp_path):
-    run_reference(SLIM_SCRIPT, tmp_path)
+OPTIONS = {
+    'default': {},
+    'renorm': {'renorm': True, 'renorm_decay': 0.7,
+               'renorm_clipping': {'rmax': 1.3, 'rmin': 0.9, 'dmax': 0.2}},
+    'no_scale': {'scale': False, 'center': True},
+}
+
+
+@pytest.mark.parametrize('option', sorted(OPTIONS))
+def test_restores_a_slim_checkpoint_and_takes_the_same_step(graph, tmp_path, option):
+    options = OPTIONS[option]
+    run_reference(SLIM_SCRIPT, tmp_path, args=[json.dumps(options)])
     ref = np.load(tmp_path / 'result.npz')
     namespace = {'tf': tf, 'slim': slim}
     exec(MODEL, namespace)  # the same model code, with our normalizer
     model = namespace['model']
     x = tf1.placeholder(tf.float32, [None, 8, 8, 3])
     with tf1.variable_scope('net'):
-        out = model(x, sync_batch_norm, True)
+        out = model(x, sync_batch_norm, True, **options)
     with tf1.variable_scope('net', reuse=True):
-        out_eval = model(x, sync_batch_norm, False)
+        out_eval = model(x, sync_batch_norm, False, **options)
     assert sorted(v.op.name for v in tf1.global_variables()) == sorted(ref['names'])
     loss = tf.reduce_sum(out * np.arange(6, dtype=np.float32))
     with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):

@@ -50,7 +50,7 @@ def test_renorm_with_synced_moments(graph, rng, sync):
     # from before each step.
     f = bn_forward(x, 1.0, 0.0, EPS)
     rmean, rstd = np.zeros(3), np.ones(3)
-    mm, mv = np.zeros(3), np.ones(3)
+    mm, mstd = np.zeros(3), np.ones(3)
     for _ in range(2):
         std = np.sqrt(f['var'] + EPS)
         r = np.clip(std / np.maximum(rstd, np.sqrt(EPS)), clip['rmin'], clip['rmax'])
@@ -62,7 +62,7 @@ def test_renorm_with_synced_moments(graph, rng, sync):
         rmean = 0.8 * rmean + 0.2 * f['mean']
         rstd = 0.8 * rstd + 0.2 * std
         mm = 0.9 * mm + 0.1 * f['mean']
-        mv = 0.9 * mv + 0.1 * f['var_unbiased']
+        mstd = 0.9 * mstd + 0.1 * std
     assert abs(r - 1).max() > 0.05 and abs(d).max() > 0.05  # the test exercises r and d
     np.testing.assert_allclose(y, expected_y, rtol=1e-5, atol=2e-5)
     np.testing.assert_allclose(dx, expected_dx, rtol=1e-4, atol=5e-5)
@@ -71,7 +71,9 @@ def test_renorm_with_synced_moments(graph, rng, sync):
     np.testing.assert_allclose(values['BatchNorm/renorm_mean'], rmean, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(values['BatchNorm/renorm_stddev'], rstd, rtol=1e-5)
     np.testing.assert_allclose(values['BatchNorm/moving_mean'], mm, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(values['BatchNorm/moving_variance'], mv, rtol=1e-5)
+    # As in Keras: moving_variance follows moving_stddev.
+    np.testing.assert_allclose(values['BatchNorm/moving_stddev'], mstd, rtol=1e-5)
+    np.testing.assert_allclose(values['BatchNorm/moving_variance'], mstd ** 2 - EPS, rtol=1e-5)
 
 
 def test_renorm_clipping_keys_are_checked(graph):

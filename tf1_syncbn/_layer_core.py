@@ -44,15 +44,31 @@ def check_dict_keys(layer, what, value, allowed):
     return value
 
 
-class RenormVariables(collections.namedtuple('RenormVariables', ['mean', 'stddev'])):
-    """Moving statistics of Batch Renormalization (``renorm_mean``, ``renorm_stddev``)."""
+class RenormVariables(collections.namedtuple('RenormVariables',
+                                             ['mean', 'stddev', 'moving_stddev'])):
+    """Variables of Batch Renormalization, named as in Keras (and so slim, tensorpack).
+
+    ``renorm_mean`` and ``renorm_stddev`` give ``r`` and ``d``; the inference
+    statistics are tracked as ``moving_stddev``, from which ``moving_variance``
+    is derived (``moving_stddev**2 - epsilon``).
+    """
 
     @classmethod
-    def create(cls, channels, make):
-        """Creates them with ``make(name, initializer)``."""
-        del channels
-        return cls(make('renorm_mean', tf1.zeros_initializer()),
-                   make('renorm_stddev', tf1.ones_initializer()))
+    def create(cls, make, mean_initializer, variance_initializer):
+        """Creates them with ``make(name, initializer)``.
+
+        Args:
+          make: creates one float32 ``[C]`` non-trainable variable.
+          mean_initializer: the initializer of ``moving_mean``.
+          variance_initializer: the initializer of ``moving_variance``; the
+            standard deviations start at its square root.
+        """
+        def stddev_initializer(*args, **kwargs):
+            return tf.sqrt(variance_initializer(*args, **kwargs))
+
+        moving_stddev = make('moving_stddev', stddev_initializer)
+        return cls(make('renorm_mean', mean_initializer),
+                   make('renorm_stddev', stddev_initializer), moving_stddev)
 
 
 class Config(object):
@@ -311,9 +327,11 @@ def _train_stats_and_output(config, params, info, x4, fmt):
     g = tf.reshape(gamma, oshape)
     scale, offset = scale * g, offset * g + tf.reshape(beta, oshape)
     y = xhat * tf.cast(scale, xhat.dtype) + tf.cast(offset, xhat.dtype)
-    if weights is None:
+    if weights is None and not config.renorm:
         target_var = _math.bessel_correct(var, moments.count)
     else:
+        # Weighted moments have no Bessel correction; renorm tracks the biased
+        # variance through moving_stddev, as Keras (and so slim) does.
         target_var = var
     return (y, tf.stop_gradient(moments.mean), tf.stop_gradient(target_var), renorm_stats)
 
@@ -368,21 +386,27 @@ def _infer_output(config, params, x4, fmt):
 def _update_ops(config, params, mean, variance, renorm_stats, decay=None):
     """The moving-average assignments of one training step."""
     momentum = config.momentum if decay is None else decay
-    ops = [
-        moving_averages.assign_moving_average(params.moving_mean, mean, momentum,
-                                              zero_debias=config.zero_debias,
-                                              name='update_moving_mean'),
-        moving_averages.assign_moving_average(params.moving_variance, variance, momentum,
-                                              zero_debias=False, name='update_moving_variance'),
-    ]
-    if renorm_stats is not None:
-        rmean, rstd = renorm_stats
+    ops = [moving_averages.assign_moving_average(params.moving_mean, mean, momentum,
+                                                 zero_debias=config.zero_debias,
+                                                 name='update_moving_mean')]
+    if renorm_stats is None:
         ops.append(moving_averages.assign_moving_average(
-            params.renorm.mean, rmean, config.renorm_momentum, zero_debias=False,
-            name='update_renorm_mean'))
-        ops.append(moving_averages.assign_moving_average(
-            params.renorm.stddev, rstd, config.renorm_momentum, zero_debias=False,
-            name='update_renorm_stddev'))
+            params.moving_variance, variance, momentum, zero_debias=False,
+            name='update_moving_variance'))
+        return ops
+    rmean, rstd = renorm_stats
+    moving_stddev = moving_averages.assign_moving_average(
+        params.renorm.moving_stddev, rstd, momentum, zero_debias=False,
+        name='update_moving_stddev')
+    ops.append(tf1.assign(params.moving_variance,
+                          tf.nn.relu(moving_stddev * moving_stddev - config.epsilon),
+                          name='update_moving_variance'))
+    ops.append(moving_averages.assign_moving_average(
+        params.renorm.mean, rmean, config.renorm_momentum, zero_debias=False,
+        name='update_renorm_mean'))
+    ops.append(moving_averages.assign_moving_average(
+        params.renorm.stddev, rstd, config.renorm_momentum, zero_debias=False,
+        name='update_renorm_stddev'))
     return ops
 
 
@@ -405,7 +429,10 @@ def batch_norm(config, params, updates_collections=tf1.GraphKeys.UPDATE_OPS,
     info = tower_info(config)
     x4, fmt = _math.canonical_view(x, config.channels_last)
     training = config.is_training
-    do_update = update_moving and info.index == 0
+    # Only the main training tower updates the moving statistics; prediction
+    # towers never do. Outside a TowerContext, tower 0 (by name scope) does.
+    main = info.ctx.is_main_training_tower if info.ctx is not None else info.index == 0
+    do_update = update_moving and main
 
     updates = []
     if training is False:

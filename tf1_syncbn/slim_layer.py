@@ -66,8 +66,11 @@ def sync_batch_norm(inputs,
     * ``moving_mean``, ``moving_variance``: the moving statistics. The moving
       variance tracks the Bessel-corrected (unbiased) variance of the global
       batch, as single-device fused batch norm does.
-    * with ``renorm``: ``renorm_mean``, ``renorm_stddev`` and their
-      ``*_weight`` debiasing counters.
+    * with ``renorm``: ``moving_stddev``, ``renorm_mean`` and
+      ``renorm_stddev``, as Keras' renorm (which slim uses) names them. In
+      renorm mode ``moving_variance`` is ``moving_stddev**2 - epsilon``, where
+      ``moving_stddev`` averages ``sqrt(var + epsilon)`` of the (biased) batch
+      variance, as in Keras.
     * with ``zero_debias_moving_mean``: ``<scope>/<scope>/moving_mean/biased``
       and ``.../local_step``, created by ``assign_moving_average`` as in slim.
 
@@ -172,14 +175,14 @@ def sync_batch_norm(inputs,
         if scale:
             gamma = make('gamma', initializers.get('gamma', tf1.ones_initializer()), trainable,
                          regularizers.get('gamma'))
-        moving_mean = make('moving_mean',
-                           initializers.get('moving_mean', tf1.zeros_initializer()), False)
-        moving_var = make('moving_variance',
-                          initializers.get('moving_variance', tf1.ones_initializer()), False)
+        mean_init = initializers.get('moving_mean', tf1.zeros_initializer())
+        var_init = initializers.get('moving_variance', tf1.ones_initializer())
+        moving_mean = make('moving_mean', mean_init, False)
+        moving_var = make('moving_variance', var_init, False)
         renorm_vars = None
         if renorm:
             renorm_vars = core.RenormVariables.create(
-                channels, lambda name, init: make(name, init, False))
+                lambda name, init: make(name, init, False), mean_init, var_init)
 
         outputs = core.batch_norm(
             config, core.Params(beta, gamma, moving_mean, moving_var, renorm_vars),
