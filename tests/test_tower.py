@@ -128,10 +128,16 @@ def test_argument_errors(kwargs, exc):
         TowerContext('tower0', **kwargs)
 
 
-@pytest.mark.parametrize('name', ['', 'a/b', None])
+@pytest.mark.parametrize('name', ['a/b', None, 3])
 def test_bad_names(name):
     with pytest.raises(ValueError):
         TowerContext(name)
+
+
+def test_empty_name_opens_no_scope(graph):
+    with TowerContext('', is_training=False) as ctx:
+        assert tf.identity(1.0, name='x').op.name == 'x'
+        assert ctx.ns_name == '' and not ctx.is_main_training_tower
 
 
 def test_exception_restores_the_stack(graph):

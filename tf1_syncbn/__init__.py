@@ -1,6 +1,8 @@
 """Synchronized Batch Normalization for TF1-style multi-tower graphs.
 
 * :func:`sync_batch_norm`: ``slim.batch_norm`` with global-batch statistics.
+* :func:`BatchNorm`, :func:`BatchRenorm`: tensorpack's layers, on the same engine.
+* :func:`start_finetuning`: restart the exact population statistics.
 * Backends: :class:`CollectiveBackend`, :class:`NcclBackend`,
   :class:`HorovodBackend` (or the strings ``'collective'``, ``'nccl'``,
   ``'horovod'``, ``'auto'``).
@@ -9,8 +11,11 @@
 from tf1_syncbn.backends import (CollectiveBackend, HorovodBackend, NcclBackend, SyncBackend,
                                  SyncKey)
 from tf1_syncbn.slim_layer import sync_batch_norm
+from tf1_syncbn.tensorpack_layer import BatchNorm, BatchRenorm, start_finetuning
+from tf1_syncbn.convert import convert_arg_scope, sync_arg_scope
 
-__all__ = ['sync_batch_norm', 'SyncBackend', 'SyncKey', 'CollectiveBackend', 'NcclBackend',
-           'HorovodBackend']
+__all__ = ['sync_batch_norm', 'BatchNorm', 'BatchRenorm', 'start_finetuning', 'SyncBackend',
+           'SyncKey', 'CollectiveBackend', 'NcclBackend', 'HorovodBackend']
+__all__ += ['sync_arg_scope', 'convert_arg_scope']
 
 __version__ = '0.1.0'

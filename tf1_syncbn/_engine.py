@@ -263,3 +263,48 @@ def differentiable_moments(x4, fmt, weights, backend, key):
     return DifferentiableMoments(xs4, shifted_mean, tf.cast(mean64, _math.STAT_DTYPE),
                                  tf.cast(var64, _math.STAT_DTYPE),
                                  tf.cast(n64, _math.STAT_DTYPE))
+
+
+def ghost_normalize(x4, fmt, per_member, groups, backend, key, epsilon):
+    """Normalizes each virtual batch of ``x4`` by its own (global) statistics.
+
+    This tower's batch is cut into ``groups`` runs of ``per_member``
+    consecutive examples; virtual batch ``k`` is run ``k`` of every member of
+    the sync group. All groups' moments travel in one packed all-reduce.
+
+    Returns:
+      ``(count, mean, var, xhat4)``: per-virtual-batch count (scalar), mean and
+      biased variance (``[groups, C]``, float32) and the normalized view.
+    """
+    channels = x4.shape[_math.channel_axis(fmt)]
+    dyn = tf.shape(x4)
+    if fmt == 'NHWC':
+        spatial = dyn[1] * dyn[2]
+        xg = tf.reshape(x4, tf.stack([groups, per_member, spatial, channels]))
+        axes, first = [1, 2], xg[:, 0, 0, :]
+        gshape = tf.stack([groups, 1, 1, channels])
+    else:
+        spatial = dyn[2] * dyn[3]
+        xg = tf.reshape(x4, tf.stack([groups, per_member, channels, spatial]))
+        axes, first = [1, 3], xg[:, 0, :, 0]
+        gshape = tf.stack([groups, 1, channels, 1])
+    shift = tf.stop_gradient(tf.cast(first, _math.STAT_DTYPE))           # [G, C]
+    xs = tf.cast(xg, _math.STAT_DTYPE) - tf.reshape(shift, gshape)
+    count = tf.cast(per_member * spatial, _math.STAT_DTYPE)
+    mean_s = tf.reduce_mean(xs, axes)                                      # [G, C]
+    m2 = tf.reduce_sum(tf.square(xs - tf.reshape(mean_s, gshape)), axes)   # [G, C]
+    n64 = tf.cast(count, _math.PACK_DTYPE) * tf.ones_like(tf.cast(mean_s[:, :1],
+                                                                   _math.PACK_DTYPE))
+    mu = tf.cast(shift, _math.PACK_DTYPE) + tf.cast(mean_s, _math.PACK_DTYPE)
+    packed = tf.concat([n64, n64 * mu, tf.cast(m2, _math.PACK_DTYPE) + n64 * mu * mu], 1)
+    packed = all_reduce_with_gradient(tf.reshape(packed, [-1]), backend, key)
+    packed = tf.reshape(packed, tf.stack([groups, 1 + 2 * channels]))
+    n = tf.maximum(packed[:, :1], 1.0)
+    mean64 = packed[:, 1:1 + channels] / n
+    var64 = tf.maximum(packed[:, 1 + channels:] / n - mean64 * mean64, 0.0)
+    mean_rel = tf.cast(mean64 - tf.cast(shift, _math.PACK_DTYPE), _math.STAT_DTYPE)
+    inv = tf.math.rsqrt(tf.cast(var64, _math.STAT_DTYPE) + epsilon)
+    xhat = (xs - tf.reshape(mean_rel, gshape)) * tf.reshape(inv, gshape)
+    xhat4 = tf.reshape(tf.cast(xhat, x4.dtype), dyn)
+    return (tf.cast(packed[0, 0], _math.STAT_DTYPE), tf.cast(mean64, _math.STAT_DTYPE),
+            tf.cast(var64, _math.STAT_DTYPE), xhat4)

@@ -27,8 +27,17 @@ _FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32)
 _RENORM_CLIPPING_KEYS = ('rmax', 'rmin', 'dmax')
 
 Params = collections.namedtuple('Params', ['beta', 'gamma', 'moving_mean', 'moving_variance',
-                                           'renorm'])
-Params.__doc__ = """The variables of one layer (``beta``/``gamma`` may be None)."""
+                                           'renorm', 'finetune_count'],
+                                defaults=(None, None))
+Params.__doc__ = """The variables of one layer (``beta``/``gamma`` may be None).
+
+Attributes:
+  renorm: :class:`RenormVariables` or None.
+  finetune_count: the batch counter of fine-tune mode, or None.
+"""
+
+#: Collection of the batch counters of fine-tune mode (see start_finetuning).
+FINETUNE_COUNTERS = 'tf1_syncbn_finetune_counters'
 
 
 def check_dict_keys(layer, what, value, allowed):
@@ -179,6 +188,18 @@ class Config(object):
         if self.adjustment is not None and not callable(self.adjustment):
             raise self.error('adjustment must be a callable, got %r.' % (self.adjustment,),
                              TypeError)
+        vbs = self.virtual_batch_size
+        if vbs is not None:
+            if isinstance(vbs, bool) or not isinstance(vbs, int) or vbs < 1:
+                raise self.error('virtual_batch_size must be a positive int, got %r.' % (vbs,))
+            for option, value in (('renorm', self.renorm), ('batch_weights', self.batch_weights),
+                                  ('adjustment', self.adjustment)):
+                if value is not None and value is not False:
+                    raise self.error('virtual_batch_size cannot be combined with %s.' % option)
+            batch = x.shape[0]
+            if batch is not None and batch % vbs:
+                raise self.error('virtual_batch_size=%d does not divide the batch size %d.'
+                                 % (vbs, batch))
         if self.sync_statistics is not None and not isinstance(
                 self.sync_statistics, (str, backends.SyncBackend)):
             raise self.error('sync_statistics must be None, a string or a SyncBackend, got %r.'
@@ -201,7 +222,7 @@ class Config(object):
     def needs_slow_path(self):
         """Options that the fused custom-gradient op does not cover."""
         return (self.batch_weights is not None or self.fused is False or self.renorm or
-                self.adjustment is not None)
+                self.adjustment is not None or self.virtual_batch_size is not None)
 
 
 # --------------------------------------------------------------------------
@@ -301,6 +322,9 @@ def _train_stats_and_output(config, params, info, x4, fmt):
         return (_restore(y4, config.inputs), moments.mean,
                 _math.bessel_correct(moments.variance, moments.count), None)
 
+    if config.virtual_batch_size is not None:
+        return _ghost_train(config, gamma, beta, x4, fmt, backend, key)
+
     # Slow path: differentiable moments through a differentiable all-reduce, then
     # separate ops for renorm / adjustment / weights.
     weights = config.batch_weights
@@ -334,6 +358,40 @@ def _train_stats_and_output(config, params, info, x4, fmt):
         # variance through moving_stddev, as Keras (and so slim) does.
         target_var = var
     return (y, tf.stop_gradient(moments.mean), tf.stop_gradient(target_var), renorm_stats)
+
+
+def _ghost_train(config, gamma, beta, x4, fmt, backend, key):
+    """Ghost batch norm: each virtual batch is normalized by its own statistics.
+
+    With a sync group of ``N`` members, virtual batch ``k`` is the ``k``-th
+    run of ``virtual_batch_size / N`` consecutive examples of every member, so
+    it holds ``virtual_batch_size`` examples in all; every member must then
+    have the same local batch size. The moving statistics follow tensorpack:
+    the mean and (biased) variance of the first virtual batch.
+    """
+    members = key.group_size if backend is not None else 1
+    vbs = config.virtual_batch_size
+    if vbs % members:
+        raise config.error('virtual_batch_size=%d is not a multiple of the %d members of the '
+                           'sync group; each member contributes virtual_batch_size / %d '
+                           'examples to every virtual batch.' % (vbs, members, members))
+    per_member = vbs // members
+    batch = tf.shape(x4)[0]
+    check = tf.debugging.assert_equal(
+        tf.math.floormod(batch, per_member), 0,
+        message='%s: virtual_batch_size=%d needs a local batch size divisible by %d'
+        % (config.layer, vbs, per_member))
+    with tf.control_dependencies([check]):
+        x4 = tf.identity(x4)
+    groups = batch // per_member
+    count, mean, var, xhat4 = _engine.ghost_normalize(x4, fmt, per_member, groups, backend, key,
+                                                      config.epsilon)
+    del count
+    bshape = _math.broadcast_shape(fmt, config.channels)
+    y4 = xhat4 * tf.cast(tf.reshape(gamma, bshape), xhat4.dtype) + \
+        tf.cast(tf.reshape(beta, bshape), xhat4.dtype)
+    return (_restore(y4, config.inputs), tf.stop_gradient(mean[0]), tf.stop_gradient(var[0]),
+            None)
 
 
 def _renorm_correction(config, renorm_vars, mean, var):
@@ -410,8 +468,27 @@ def _update_ops(config, params, mean, variance, renorm_stats, decay=None):
     return ops
 
 
+def finetune_decay(config, count, finetune):
+    """Decay ``1 - 1/n`` of fine-tune mode, and the counter's new value.
+
+    Args:
+      config: the layer's :class:`Config`.
+      count: the layer's batch-counter variable.
+      finetune: a Python bool or a scalar bool tensor.
+
+    Returns:
+      ``(decay, new_count)``: with fine-tune on, the moving statistics become
+      the exact average of the batches seen since the last reset.
+    """
+    active = tf.cast(tf.convert_to_tensor(finetune, tf.bool), tf.float32)
+    new_count = tf.convert_to_tensor(count) + active
+    decay = active * (1.0 - 1.0 / tf.maximum(new_count, 1.0)) + \
+        (1.0 - active) * config.momentum
+    return decay, new_count
+
+
 def batch_norm(config, params, updates_collections=tf1.GraphKeys.UPDATE_OPS,
-               update_moving=True, decay=None):
+               update_moving=True, finetune=None):
     """Builds one batch-norm call from a validated :class:`Config`.
 
     Args:
@@ -420,7 +497,9 @@ def batch_norm(config, params, updates_collections=tf1.GraphKeys.UPDATE_OPS,
       updates_collections: where the moving-average updates go, or None for
         control dependencies on the output.
       update_moving: False never updates the moving statistics.
-      decay: optional tensor overriding ``config.momentum`` (fine-tune mode).
+      finetune: None, or a Python bool / scalar bool tensor that switches the
+        moving statistics to the exact average over batches (needs
+        ``params.finetune_count``).
 
     Returns:
       The output tensor, with the shape and dtype of the input.
@@ -433,6 +512,12 @@ def batch_norm(config, params, updates_collections=tf1.GraphKeys.UPDATE_OPS,
     # towers never do. Outside a TowerContext, tower 0 (by name scope) does.
     main = info.ctx.is_main_training_tower if info.ctx is not None else info.index == 0
     do_update = update_moving and main
+
+    decay = new_count = None
+    if finetune is not None and params.finetune_count is not None and training is not False:
+        active = finetune if training is True else tf.logical_and(
+            tf.convert_to_tensor(finetune, tf.bool), training)
+        decay, new_count = finetune_decay(config, params.finetune_count, active)
 
     updates = []
     if training is False:
@@ -463,6 +548,10 @@ def batch_norm(config, params, updates_collections=tf1.GraphKeys.UPDATE_OPS,
                                lambda: tf.group(*_update_ops(config, params, mean, var,
                                                              renorm_stats, decay)),
                                tf.no_op, name='maybe_update')]
+    if updates and new_count is not None:
+        # new_count already counts only training steps with fine-tune on.
+        with tf.control_dependencies(updates):
+            updates.append(tf1.assign(params.finetune_count, new_count, name='update_count'))
     if updates:
         if updates_collections is None:
             with tf.control_dependencies(updates):

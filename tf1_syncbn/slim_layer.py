@@ -40,7 +40,8 @@ def sync_batch_norm(inputs,
                     renorm_decay=0.99,
                     adjustment=None,
                     num_dev=None,
-                    sync_statistics='auto'):
+                    sync_statistics='auto',
+                    finetune=None):
     """Synchronized batch normalization with the signature of ``slim.batch_norm``.
 
     In training, the statistics are those of the *global* batch: every tower of
@@ -138,6 +139,10 @@ def sync_batch_norm(inputs,
         ops otherwise, nothing with a single tower), ``'collective'``,
         ``'nccl'``, ``'horovod'``, None (per-tower statistics) or a
         :class:`tf1_syncbn.SyncBackend` object.
+      finetune: None, or a Python bool / scalar bool tensor: when true, the
+        moving statistics become the exact average of the batches seen since
+        :func:`tf1_syncbn.start_finetuning` (``decay = 1 - 1/n``, ChainerMN's
+        fine-tune mode); adds the variable ``finetune_count``.
 
     Returns:
       A tensor with the shape and dtype of ``inputs``.
@@ -184,9 +189,17 @@ def sync_batch_norm(inputs,
             renorm_vars = core.RenormVariables.create(
                 lambda name, init: make(name, init, False), mean_init, var_init)
 
+        counter = None
+        if finetune is not None:
+            counter = slim_variables.model_variable(
+                'finetune_count', shape=[], dtype=tf.float32,
+                initializer=tf1.zeros_initializer(), trainable=False,
+                collections=[core.FINETUNE_COUNTERS] + list(
+                    slim_utils.get_variable_collections(variables_collections,
+                                                        'finetune_count') or []))
         outputs = core.batch_norm(
-            config, core.Params(beta, gamma, moving_mean, moving_var, renorm_vars),
-            updates_collections=updates_collections)
+            config, core.Params(beta, gamma, moving_mean, moving_var, renorm_vars, counter),
+            updates_collections=updates_collections, finetune=finetune)
         if activation_fn is not None:
             outputs = activation_fn(outputs)
         return slim_utils.collect_named_outputs(outputs_collections, sc.name, outputs)

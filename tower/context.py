@@ -53,7 +53,8 @@ class TowerContext(object):
                 logits = model(images[i])
 
     Args:
-      name: the tower's name scope, for example ``'tower0'``.
+      name: the tower's name scope, for example ``'tower0'``; ``''`` opens no
+        name scope (a single tower, as tensorpack's ``TowerContext('')``).
       is_training: whether this tower trains. Together with ``index == 0`` it
         makes the tower the main training tower.
       index: the tower's index, ``0 <= index < total``.
@@ -68,9 +69,9 @@ class TowerContext(object):
     """
 
     def __init__(self, name, is_training=True, index=0, total=1, vs_name=''):
-        if not isinstance(name, str) or not name or '/' in name:
+        if not isinstance(name, str) or '/' in name:
             raise ValueError(
-                'TowerContext: name must be a non-empty string without "/", got %r.' % (name,))
+                'TowerContext: name must be a string without "/", got %r.' % (name,))
         if not isinstance(is_training, bool):
             raise TypeError('TowerContext: is_training must be a Python bool, got %r.'
                             % (is_training,))
@@ -154,8 +155,11 @@ class TowerContext(object):
                     auxiliary_name_scope=False))
             self._align_default_scope_names(state)
             outer = graph.get_name_scope()
-            full = (outer + '/' + self._name) if outer else self._name
-            stack.enter_context(graph.name_scope(full + '/'))
+            if self._name:
+                full = (outer + '/' + self._name) if outer else self._name
+                stack.enter_context(graph.name_scope(full + '/'))
+            else:
+                full = outer
             self._ns_name = full
             state.tower_stack.append(self)
             stack.callback(state.tower_stack.pop)

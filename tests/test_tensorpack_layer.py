@@ -1,0 +1,365 @@
+"""tensorpack-compatible BatchNorm / BatchRenorm, ghost batch norm and fine-tune mode."""
+
+import json
+import logging
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from bn_reference import bn_backward, bn_forward, build_towers, split_batches, var
+from conftest import make_session
+from legacy_reference import run_reference
+from tf1_syncbn import (BatchNorm, BatchRenorm, CollectiveBackend, start_finetuning,
+                        sync_batch_norm)
+from tower import TowerContext, call_for_each_tower
+
+tf1 = tf.compat.v1
+EPS = 1e-5
+
+
+def _collective():
+    return CollectiveBackend(timeout=60)
+
+
+# --- API ------------------------------------------------------------------------
+
+def test_variable_names_and_output(graph):
+    x = tf1.placeholder(tf.float32, [None, 4, 4, 3])
+    y = BatchNorm('bn', x)
+    assert y.op.name == 'bn/output'
+    assert sorted(v.op.name for v in tf1.global_variables()) == [
+        'bn/beta', 'bn/gamma', 'bn/mean/EMA', 'bn/variance/EMA']
+    assert y.variables.gamma.op.name == 'bn/gamma'
+    assert y.variables.mean is y.variables.moving_mean
+    assert len(tf1.get_collection(tf1.GraphKeys.MODEL_VARIABLES)) == 2
+
+
+def test_legacy_argument_names(graph):
+    x = tf1.placeholder(tf.float32, [None, 3])
+    BatchNorm('bn', x, use_bias=False, use_scale=False, decay=0.5,
+              gamma_init=tf1.ones_initializer())
+    assert sorted(v.op.name for v in tf1.global_variables()) == ['bn/mean/EMA',
+                                                                 'bn/variance/EMA']
+    with pytest.raises(TypeError, match='either'):
+        BatchNorm('bn2', x, decay=0.5, momentum=0.9)
+    with pytest.raises(TypeError, match='unexpected'):
+        BatchNorm('bn3', x, use_gamma=True)
+    with pytest.raises(ValueError, match='ema_update'):
+        BatchNorm('bn4', x, ema_update='sometimes')
+    with pytest.raises(ValueError, match='data_format'):
+        BatchNorm('bn5', x, data_format='NWHC')
+
+
+def test_use_local_stat_is_training(graph, rng):
+    x = tf1.placeholder(tf.float32, [None, 3])
+    y = BatchNorm('bn', x, use_local_stat=False)
+    data = rng.randn(4, 3).astype(np.float32)
+    with make_session(graph, 1) as sess:
+        sess.run(tf1.global_variables_initializer())
+        np.testing.assert_allclose(sess.run(y, {x: data}), data / np.sqrt(1 + EPS), rtol=1e-6)
+
+
+@pytest.mark.parametrize('example_shape,data_format,axis', [
+    ((5,), 'channels_last', None), ((4, 5), 'channels_last', None),
+    ((5, 4), 'channels_first', None), ((3, 3, 5), 'channels_last', None),
+    ((5, 3, 3), 'channels_first', None), ((2, 2, 2, 5), 'channels_last', None),
+    ((5, 2, 2, 2), 'channels_first', None), ((5, 3, 3), 'channels_last', 1)])
+def test_ranks_and_formats_synced(graph, rng, example_shape, data_format, axis):
+    sizes = [2, 3]
+    net = build_towers(lambda x: BatchNorm('bn', x, axis=axis, data_format=data_format,
+                                           sync_statistics=_collective()), 2,
+                       (None,) + example_shape)
+    grads = tf.gradients(net['loss'], net['xs'])
+    x = rng.randn(5, *example_shape).astype(np.float32)
+    dy = rng.randn(*x.shape).astype(np.float32)
+    feed = dict(zip(net['xs'], split_batches(x, sizes)))
+    feed.update(zip(net['dys'], split_batches(dy, sizes)))
+    with make_session(graph, 2) as sess:
+        sess.run(tf1.global_variables_initializer())
+        ys, dxs = sess.run([net['ys'], grads], feed)
+    channels_last = (data_format == 'channels_last' and axis is None) or len(example_shape) == 1
+    np.testing.assert_allclose(np.concatenate(ys), bn_forward(x, 1, 0, EPS, channels_last)['y'],
+                               rtol=1e-5, atol=3e-5)
+    np.testing.assert_allclose(np.concatenate(dxs),
+                               bn_backward(dy, x, np.ones(5), EPS, channels_last)['dx'],
+                               rtol=1e-4, atol=1e-4)
+
+
+# --- modes and EMA updates ---------------------------------------------------------
+
+def test_training_follows_the_tower_context(graph, rng):
+    x = tf1.placeholder(tf.float32, [None, 3])
+    with TowerContext('pred', is_training=False):
+        y = BatchNorm('bn', x)
+    assert not tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
+    data = rng.randn(4, 3).astype(np.float32)
+    with make_session(graph, 1) as sess:
+        sess.run(tf1.global_variables_initializer())
+        np.testing.assert_allclose(sess.run(y, {x: data}), data / np.sqrt(1 + EPS), rtol=1e-6)
+
+
+def test_prediction_towers_update_nothing_even_with_batch_statistics(graph):
+    call_for_each_tower(lambda: BatchNorm('bn', tf1.placeholder(tf.float32, [None, 3]),
+                                          training=True, ema_update='internal'),
+                        ['/cpu:0', '/cpu:1'], is_training=False)
+    assert not [op for op in graph.get_operations() if 'AssignMovingAvg' in op.name]
+
+
+def test_frozen_statistics_warn_once(graph, caplog):
+    with caplog.at_level(logging.WARNING, logger='tf1_syncbn'):
+        for i in range(2):
+            with TowerContext('tower%d' % i, index=i, total=2):
+                x = tf1.placeholder(tf.float32, [None, 3])
+                BatchNorm('bn1', x, training=False)
+                BatchNorm('bn2', x, training=False)
+    assert len([r for r in caplog.records if 'frozen' in r.message]) <= 1
+    assert not tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
+
+
+def _updates(graph, ema_update, sync):
+    kwargs = dict(ema_update=ema_update)
+    if sync:
+        kwargs['sync_statistics'] = _collective()
+    net = build_towers(lambda x: BatchNorm('bn', x, momentum=0.5, **kwargs), 2, (None, 3))
+    return net, tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
+
+
+@pytest.mark.parametrize('ema_update,sync,in_collection,updated', [
+    ('default', False, 2, False), ('collection', False, 2, False),
+    ('internal', False, 0, True), ('skip', False, 0, False),
+    ('default', True, 0, True), ('collection', True, 0, True), ('skip', True, 0, False)])
+def test_ema_update_modes(graph, rng, ema_update, sync, in_collection, updated):
+    net, updates = _updates(graph, ema_update, sync)
+    assert len(updates) == in_collection
+    data = (rng.randn(4, 3) + 3).astype(np.float32)
+    with make_session(graph, 2) as sess:
+        sess.run(tf1.global_variables_initializer())
+        sess.run(net['ys'], dict(zip(net['xs'], np.split(data, 2))))
+        moved = np.any(sess.run(var('bn/mean/EMA')) != 0)
+    assert moved == updated
+
+
+# --- ghost batch norm -------------------------------------------------------------
+
+def test_ghost_batch_norm_without_sync(graph, rng):
+    x = tf1.placeholder(tf.float32, [None, 2, 3])
+    y = BatchNorm('bn', x, virtual_batch_size=2, momentum=0.0, ema_update='internal')
+    dy = rng.randn(6, 2, 3).astype(np.float32)
+    dx, = tf.gradients(tf.reduce_sum(y * dy), [x])
+    data = (rng.randn(6, 2, 3) * 2 + 1).astype(np.float32)
+    with make_session(graph, 1) as sess:
+        sess.run(tf1.global_variables_initializer())
+        out, dxv = sess.run([y, dx], {x: data})
+        mm, mv = sess.run([var('bn/mean/EMA'), var('bn/variance/EMA')])
+    for k in range(3):
+        part = slice(2 * k, 2 * k + 2)
+        np.testing.assert_allclose(out[part], bn_forward(data[part], 1, 0, EPS)['y'],
+                                   rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(dxv[part], bn_backward(dy[part], data[part], np.ones(3),
+                                                          EPS)['dx'], rtol=1e-3, atol=1e-3)
+    first = bn_forward(data[:2], 1, 0, EPS)
+    np.testing.assert_allclose(mm, first['mean'], rtol=1e-5)
+    np.testing.assert_allclose(mv, first['var'], rtol=1e-5)  # biased, as tensorpack
+
+
+def test_ghost_batch_norm_with_sync_spreads_virtual_batches_over_towers(graph, rng):
+    # 2 towers, virtual batch 4: virtual batch k = examples [2k, 2k+2) of each tower.
+    net = build_towers(lambda x: BatchNorm('bn', x, virtual_batch_size=4, momentum=0.0,
+                                           sync_statistics=_collective()), 2, (None, 3))
+    grads = tf.gradients(net['loss'], net['xs'])
+    x = (rng.randn(12, 3) * 3 + 1).astype(np.float32)
+    dy = rng.randn(12, 3).astype(np.float32)
+    feed = dict(zip(net['xs'], np.split(x, 2)))
+    feed.update(zip(net['dys'], np.split(dy, 2)))
+    with make_session(graph, 2) as sess:
+        sess.run(tf1.global_variables_initializer())
+        ys, dxs = sess.run([net['ys'], grads], feed)
+        mm, mv = sess.run([var('bn/mean/EMA'), var('bn/variance/EMA')])
+    y, dx = np.concatenate(ys), np.concatenate(dxs)
+    for k in range(3):
+        rows = [2 * k, 2 * k + 1, 6 + 2 * k, 6 + 2 * k + 1]
+        np.testing.assert_allclose(y[rows], bn_forward(x[rows], 1, 0, EPS)['y'], rtol=1e-4,
+                                   atol=1e-4)
+        np.testing.assert_allclose(dx[rows], bn_backward(dy[rows], x[rows], np.ones(3),
+                                                         EPS)['dx'], rtol=1e-3, atol=1e-3)
+    first = bn_forward(x[[0, 1, 6, 7]], 1, 0, EPS)
+    np.testing.assert_allclose(mm, first['mean'], rtol=1e-5)
+    np.testing.assert_allclose(mv, first['var'], rtol=1e-5)
+
+
+def test_ghost_batch_size_errors(graph):
+    with pytest.raises(ValueError, match='does not divide'):
+        BatchNorm('bn', tf1.placeholder(tf.float32, [6, 3]), virtual_batch_size=4)
+    with pytest.raises(ValueError, match='positive int'):
+        BatchNorm('bn1', tf1.placeholder(tf.float32, [6, 3]), virtual_batch_size=0)
+    with pytest.raises(ValueError, match='multiple of the 2 members'):
+        build_towers(lambda x: BatchNorm('bn2', x, virtual_batch_size=3,
+                                         sync_statistics='collective'), 2, (None, 3))
+    x = tf1.placeholder(tf.float32, [None, 3])
+    y = BatchNorm('bn3', x, virtual_batch_size=4)
+    with make_session(graph, 1) as sess:
+        sess.run(tf1.global_variables_initializer())
+        with pytest.raises(tf.errors.InvalidArgumentError, match='virtual_batch_size=4'):
+            sess.run(y, {x: np.ones((6, 3))})
+
+
+# --- BatchRenorm ------------------------------------------------------------------------
+
+def test_batch_renorm_synced_with_tensor_limits(graph, rng):
+    rmax = tf1.placeholder(tf.float32, [])
+    net = build_towers(lambda x: BatchRenorm('brn', x, rmax, 0.5, momentum=0.5,
+                                             sync_statistics=_collective()), 2, (None, 3))
+    assert sorted(v.op.name for v in tf1.global_variables()) == sorted(
+        'brn/' + n for n in ('beta', 'gamma', 'moving_mean', 'moving_variance',
+                             'moving_stddev', 'renorm_mean', 'renorm_stddev'))
+    x = (rng.randn(10, 3) * 3 + 2).astype(np.float32)
+    feed = dict(zip(net['xs'], split_batches(x, [4, 6])))
+    feed[rmax] = 1.5
+    with make_session(graph, 2) as sess:
+        sess.run(tf1.global_variables_initializer())
+        y = np.concatenate(sess.run(net['ys'], feed))
+        rmean = sess.run(var('brn/renorm_mean'))
+    f = bn_forward(x, 1, 0, EPS)
+    std = np.sqrt(f['var'] + EPS)
+    r = np.clip(std / 1.0, 1 / 1.5, 1.5)
+    d = np.clip(f['mean'] / 1.0, -0.5, 0.5)
+    np.testing.assert_allclose(y, f['xhat'] * r + d, rtol=1e-5, atol=3e-5)
+    np.testing.assert_allclose(rmean, 0.01 * f['mean'], rtol=1e-4)
+
+
+# --- fine-tune statistics -------------------------------------------------------------
+
+@pytest.mark.parametrize('layer', ['BatchNorm', 'sync_batch_norm'])
+def test_finetune_gives_exact_population_statistics_across_towers(graph, rng, layer):
+    switch = tf1.placeholder(tf.bool, [])
+    if layer == 'BatchNorm':
+        fn = lambda x: BatchNorm('bn', x, momentum=0.9, finetune=switch,
+                                 sync_statistics=_collective())
+        mm_v, mv_v = lambda: var('bn/mean/EMA'), lambda: var('bn/variance/EMA')
+    else:
+        fn = lambda x: sync_batch_norm(x, decay=0.9, finetune=switch, scope='bn',
+                                       updates_collections=None, sync_statistics=_collective())
+        mm_v, mv_v = lambda: var('bn/moving_mean'), lambda: var('bn/moving_variance')
+    net = build_towers(fn, 3, (None, 3))
+    reset = start_finetuning()
+    batches = [(rng.randn(9, 3) * (k + 1) + k).astype(np.float32) for k in range(6)]
+    sizes = [2, 3, 4]
+
+    def run(batch, on):
+        feed = dict(zip(net['xs'], split_batches(batch, sizes)))
+        feed[switch] = on
+        sess.run(net['ys'], feed)
+
+    with make_session(graph, 3) as sess:
+        sess.run(tf1.global_variables_initializer())
+        run(batches[0], False)           # an ordinary step: decay 0.9
+        sess.run(reset)
+        for b in batches[1:4]:
+            run(b, True)
+        stats = [bn_forward(b, 1, 0, EPS) for b in batches[1:4]]
+        np.testing.assert_allclose(sess.run(mm_v()), np.mean([s['mean'] for s in stats], 0),
+                                   rtol=1e-5)
+        np.testing.assert_allclose(sess.run(mv_v()),
+                                   np.mean([s['var_unbiased'] for s in stats], 0), rtol=1e-5)
+        # Restart: the average covers only the batches after the reset.
+        sess.run(reset)
+        for b in batches[4:]:
+            run(b, True)
+        stats = [bn_forward(b, 1, 0, EPS) for b in batches[4:]]
+        np.testing.assert_allclose(sess.run(mm_v()), np.mean([s['mean'] for s in stats], 0),
+                                   rtol=1e-5)
+        # With the switch off, the ordinary decay applies again.
+        before = sess.run(mm_v())
+        run(batches[0], False)
+        np.testing.assert_allclose(sess.run(mm_v()),
+                                   0.9 * before + 0.1 * bn_forward(batches[0], 1, 0,
+                                                                   EPS)['mean'], rtol=1e-5)
+
+
+# --- against tensorpack 0.11 itself ------------------------------------------------
+
+TENSORPACK_SCRIPT = '''
+import json, sys
+import numpy as np
+import tensorflow as tf
+tf1 = tf.compat.v1
+tf1.disable_eager_execution()
+from tensorpack.models import BatchNorm
+from tensorpack.tfutils.tower import TowerContext
+cases = json.loads(sys.argv[1])
+rng = np.random.RandomState(0)
+results = {}
+placeholders, outputs = [], []
+with TowerContext('', is_training=True):
+    for i, case in enumerate(cases):
+        x = tf1.placeholder(tf.float32, [None] + case['shape'])
+        placeholders.append(x)
+        outputs.append(BatchNorm('bn%d' % i, x, **case['kwargs']))
+updates = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
+data = [[(rng.randn(8, *c['shape']) * 2 + 1).astype(np.float32) for _ in range(3)]
+        for c in cases]
+with tf1.Session() as sess:
+    sess.run(tf1.global_variables_initializer())
+    for step in range(3):
+        feed = {p: d[step] for p, d in zip(placeholders, data)}
+        outs = sess.run(outputs + [updates], feed)[:-1]
+        for i, o in enumerate(outs):
+            results['out%d_%d' % (i, step)] = o
+    for v in tf1.global_variables():
+        results['var/' + v.op.name] = sess.run(v)
+    tf1.train.Saver().save(sess, 'tp_ckpt/model')
+for i, d in enumerate(data):
+    for step in range(3):
+        results['data%d_%d' % (i, step)] = d[step]
+np.savez('result.npz', **results)
+print('RESULT result.npz')
+'''
+
+PARITY_CASES = [
+    {'shape': [4, 4, 3], 'kwargs': {}},
+    {'shape': [3, 4, 4], 'kwargs': {'data_format': 'channels_first', 'momentum': 0.8,
+                                    'epsilon': 1e-3}},
+    {'shape': [4, 4, 3], 'kwargs': {'center': False, 'scale': False}},
+    {'shape': [4, 4, 3], 'kwargs': {'use_bias': False, 'decay': 0.7}},
+    {'shape': [4, 4, 3], 'kwargs': {'virtual_batch_size': 2}},
+    {'shape': [4, 4, 3], 'kwargs': {'ema_update': 'internal'}},
+]
+
+
+def test_parity_with_tensorpack_and_checkpoint_restore(graph, tmp_path):
+    run_reference(TENSORPACK_SCRIPT, tmp_path, args=[json.dumps(PARITY_CASES)])
+    ref = np.load(tmp_path / 'result.npz')
+    placeholders, outputs = [], []
+    with TowerContext('', is_training=True):
+        for i, case in enumerate(PARITY_CASES):
+            x = tf1.placeholder(tf.float32, [None] + case['shape'])
+            placeholders.append(x)
+            outputs.append(BatchNorm('bn%d' % i, x, **case['kwargs']))
+    updates = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
+    names = sorted(v.op.name for v in tf1.global_variables())
+    assert names == sorted(k[4:] for k in ref.files if k.startswith('var/'))
+    with make_session(graph, 1) as sess:
+        sess.run(tf1.global_variables_initializer())
+        for step in range(3):
+            feed = {p: ref['data%d_%d' % (i, step)] for i, p in enumerate(placeholders)}
+            outs = sess.run(outputs + [updates], feed)[:-1]
+            for i, o in enumerate(outs):
+                np.testing.assert_allclose(o, ref['out%d_%d' % (i, step)], rtol=1e-4,
+                                           atol=1e-4, err_msg='case %d step %d' % (i, step))
+        for v in tf1.global_variables():
+            np.testing.assert_allclose(sess.run(v), ref['var/' + v.op.name], rtol=1e-5,
+                                       atol=1e-6, err_msg=v.op.name)
+    # A checkpoint written by tensorpack restores into an inference graph.
+    g2 = tf.Graph()
+    with g2.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4, 4, 3])
+        with TowerContext('', is_training=False):
+            y = BatchNorm('bn0', x)
+        with make_session(g2, 1) as sess:
+            tf1.train.Saver().restore(sess, str(tmp_path / 'tp_ckpt' / 'model'))
+            data = ref['data0_0']
+            mean, variance = ref['var/bn0/mean/EMA'], ref['var/bn0/variance/EMA']
+            expected = ((data - mean) / np.sqrt(variance + EPS) * ref['var/bn0/gamma'] +
+                        ref['var/bn0/beta'])
+            np.testing.assert_allclose(sess.run(y, {x: data}), expected, rtol=1e-5, atol=1e-5)

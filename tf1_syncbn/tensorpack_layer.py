@@ -1,0 +1,311 @@
+"""tensorpack-compatible ``BatchNorm`` and ``BatchRenorm`` on the shared engine."""
+
+import logging
+import types
+
+import tensorflow as tf
+
+from tf1_syncbn import _layer_core as core
+from tower import get_current_tower_context
+
+__all__ = ['BatchNorm', 'BatchRenorm', 'start_finetuning']
+
+tf1 = tf.compat.v1
+_LOG = logging.getLogger('tf1_syncbn')
+_WARNED = set()
+
+# tensorpack's old argument names -> the current ones.
+_LEGACY_NAMES = {
+    'use_bias': 'center',
+    'use_scale': 'scale',
+    'gamma_init': 'gamma_initializer',
+    'decay': 'momentum',
+    'use_local_stat': 'training',
+}
+_EMA_UPDATES = ('default', 'collection', 'internal', 'skip')
+_DATA_FORMATS = {'channels_last': 'NHWC', 'NHWC': 'NHWC', 'channels_first': 'NCHW',
+                 'NCHW': 'NCHW', 'NDHWC': 'NHWC', 'NCDHW': 'NCHW'}
+
+
+def _warn_once(message):
+    if message not in _WARNED:
+        _WARNED.add(message)
+        _LOG.warning(message)
+
+
+def _apply_legacy_names(layer, kwargs, current):
+    """Maps tensorpack's old keyword names onto ``current`` (a dict of defaults)."""
+    for old, value in kwargs.items():
+        if old not in _LEGACY_NAMES:
+            raise TypeError('%s got an unexpected keyword argument %r.' % (layer, old))
+        new = _LEGACY_NAMES[old]
+        if new not in current:
+            raise TypeError('%s does not take %r.' % (layer, old))
+        if current[new] is not _UNSET:
+            raise TypeError('%s: pass either %r or its old name %r, not both.'
+                            % (layer, new, old))
+        current[new] = value
+
+
+class _Unset(object):
+    def __repr__(self):
+        return '<unset>'
+
+
+_UNSET = _Unset()
+
+
+def _finetune_counter(finetune):
+    if finetune is None:
+        return None
+    counter = tf1.get_variable('finetune_count', [], tf.float32, tf1.zeros_initializer(),
+                               trainable=False)
+    if counter not in tf1.get_collection(core.FINETUNE_COUNTERS):
+        tf1.add_to_collection(core.FINETUNE_COUNTERS, counter)
+    return counter
+
+
+def start_finetuning(graph=None):
+    """An op that restarts the exact averaging of fine-tune mode in every layer.
+
+    In fine-tune mode (``finetune=True`` or a true ``finetune`` tensor), the
+    moving statistics of a layer are the exact average of the batch statistics
+    of the training steps since the last reset (ChainerMN's ``finetune``,
+    ``decay = 1 - 1/n``). Run this op before collecting population statistics
+    again; the counters start at zero, so a first run needs no reset.
+
+    Args:
+      graph: the graph whose layers to reset (default: the current graph).
+
+    Returns:
+      An op, or a no-op when no layer uses fine-tune mode.
+    """
+    graph = graph or tf1.get_default_graph()
+    with graph.as_default():
+        counters = tf1.get_collection(core.FINETUNE_COUNTERS)
+        return tf.group(*[tf1.assign(c, tf.zeros_like(c)) for c in counters],
+                        name='start_finetuning')
+
+
+def _get_variable(name, channels, initializer, trainable=True):
+    return tf1.get_variable(name, [channels], tf.float32, initializer, trainable=trainable)
+
+
+def _holder(**variables):
+    return types.SimpleNamespace(**{k: v for k, v in variables.items() if v is not None})
+
+
+def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_UNSET, epsilon=1e-5,
+              center=_UNSET, scale=_UNSET, beta_initializer=None, gamma_initializer=_UNSET,
+              virtual_batch_size=None, data_format='channels_last', ema_update='default',
+              sync_statistics=None, finetune=None, **legacy_kwargs):
+    """tensorpack's ``BatchNorm`` layer, with synchronized statistics on any device.
+
+    Call it as tensorpack users do: ``BatchNorm('bn', x, sync_statistics='nccl')``.
+    Checkpoints written by tensorpack's ``BatchNorm`` restore unchanged.
+
+    Variable names (under ``name``):
+
+    * ``beta``, ``gamma``: offset and scale (when ``center`` / ``scale``).
+    * ``mean/EMA``, ``variance/EMA``: the moving statistics. The variance is
+      the Bessel-corrected variance of the (global) batch, like fused batch
+      norm (tensorpack's unfused 2-D path keeps the biased one).
+    * ``finetune_count``: with ``finetune``, the number of averaged batches.
+
+    When synchronization hangs, and how it fails instead (as for
+    :func:`tf1_syncbn.sync_batch_norm`): every tower must build and run the
+    same synchronized layers in every step, under the same names. Towers built
+    in ``tower.TowerContext`` are checked at graph build; the collective
+    backend turns a missing member into ``DeadlineExceededError`` after its
+    timeout; NCCL waits forever. With synchronization the moving averages are
+    always updated inside the layer (``ema_update='internal'``): update ops in a
+    collection would wait for other towers' forward passes (tensorpack issue
+    1078).
+
+    Args:
+      name: the layer's variable scope.
+      inputs: a rank 2 to 5 tensor (float16, bfloat16 or float32).
+      axis: the channel axis (1 or the last); default from ``data_format``.
+      training: True uses batch statistics; False the moving statistics (and
+        still trains beta/gamma: frozen statistics, warned once inside a
+        training tower). None follows the tower context (True outside one).
+        A scalar bool tensor switches at run time.
+      momentum: decay of the moving averages (old name: ``decay``).
+      epsilon: added to the variance.
+      center, scale: learn ``beta`` / ``gamma`` (old names ``use_bias``,
+        ``use_scale``).
+      beta_initializer, gamma_initializer: initializers (old name of the
+        latter: ``gamma_init``).
+      virtual_batch_size: ghost batch norm: normalize each virtual batch of this
+        many examples by its own statistics. With synchronization over ``N``
+        members, virtual batch ``k`` is the ``k``-th run of
+        ``virtual_batch_size / N`` consecutive examples of every member (so
+        ``N`` must divide it and every member must have the same batch size).
+        The moving statistics are those of the first virtual batch, with its
+        biased variance, as in tensorpack. Only used in training.
+      data_format: ``'channels_last'`` / ``'NHWC'`` or ``'channels_first'`` /
+        ``'NCHW'`` (any rank; rank-2 inputs are ``[N, C]``).
+      ema_update: ``'default'`` or ``'collection'`` (update ops in
+        ``UPDATE_OPS`` on the main training tower), ``'internal'`` (control
+        dependencies of the output) or ``'skip'``.
+      sync_statistics: None (per-tower statistics), ``'nccl'``, ``'horovod'``,
+        ``'collective'``, ``'auto'`` or a :class:`tf1_syncbn.SyncBackend`.
+      finetune: None, or a Python bool / scalar bool tensor: when true, the
+        moving statistics become the exact average of the batches seen since
+        :func:`start_finetuning` (ChainerMN's fine-tune mode).
+      **legacy_kwargs: tensorpack's old names (``use_bias``, ``use_scale``,
+        ``gamma_init``, ``decay``, ``use_local_stat``).
+
+    Returns:
+      A tensor named ``<name>/output`` with the shape of ``inputs``; its
+      ``variables`` attribute holds ``beta``, ``gamma``, ``mean``/``moving_mean``
+      and ``variance``/``moving_variance``.
+    """
+    layer = 'BatchNorm(%r)' % (name,)
+    options = {'momentum': momentum, 'center': center, 'scale': scale,
+               'gamma_initializer': gamma_initializer, 'training': _UNSET}
+    _apply_legacy_names(layer, legacy_kwargs, options)
+    if options['training'] is not _UNSET:
+        if training is not None:
+            raise TypeError("%s: pass either 'training' or 'use_local_stat', not both." % layer)
+        training = options['training']
+    defaults = {'momentum': 0.9, 'center': True, 'scale': True,
+                'gamma_initializer': tf1.ones_initializer()}
+    for key, value in defaults.items():
+        if options[key] is _UNSET:
+            options[key] = value
+    if ema_update not in _EMA_UPDATES:
+        raise ValueError('%s: ema_update must be one of %s, got %r.'
+                         % (layer, _EMA_UPDATES, ema_update))
+    if data_format not in _DATA_FORMATS:
+        raise ValueError('%s: unknown data_format %r; use one of %s.'
+                         % (layer, data_format, sorted(_DATA_FORMATS)))
+    ctx = get_current_tower_context()
+    if training is None:
+        training = ctx.is_training if ctx is not None else True
+    if not isinstance(training, (bool, tf.Tensor, tf.Variable)):
+        training = bool(training)
+    if training is False and ctx is not None and ctx.is_training and \
+            ctx.is_main_training_tower:
+        _warn_once('BatchNorm layers use their moving mean/variance in a training tower '
+                   '(training=False): the statistics are frozen, beta/gamma still train.')
+    beta_initializer = beta_initializer or tf1.zeros_initializer()
+
+    with tf1.variable_scope(name) as vs:
+        config = core.Config(
+            layer='BatchNorm(%s)' % vs.name, inputs=inputs,
+            data_format=_DATA_FORMATS[data_format], is_training=training,
+            momentum=options['momentum'], epsilon=epsilon, center=options['center'],
+            scale=options['scale'], sync_statistics=sync_statistics, axis=axis,
+            virtual_batch_size=virtual_batch_size if training is not False else None)
+        config.validate()
+        channels = config.channels
+        beta = _get_variable('beta', channels, beta_initializer) if options['center'] \
+            else None
+        gamma = _get_variable('gamma', channels, options['gamma_initializer']) \
+            if options['scale'] else None
+        moving_mean = _get_variable('mean/EMA', channels, tf1.zeros_initializer(), False)
+        moving_var = _get_variable('variance/EMA', channels, tf1.ones_initializer(), False)
+        if ctx is None or ctx.is_main_training_tower:
+            for v in (moving_mean, moving_var):
+                if v not in tf1.get_collection(tf1.GraphKeys.MODEL_VARIABLES):
+                    tf1.add_to_collection(tf1.GraphKeys.MODEL_VARIABLES, v)
+        params = core.Params(beta, gamma, moving_mean, moving_var,
+                             finetune_count=_finetune_counter(finetune))
+        collections = [tf1.GraphKeys.UPDATE_OPS]
+        if ema_update == 'internal' or sync_statistics is not None:
+            collections = None
+        out = core.batch_norm(config, params, updates_collections=collections,
+                              update_moving=ema_update != 'skip', finetune=finetune)
+        out = tf.identity(out, name='output')
+    _attach_variables(out, beta=beta, gamma=gamma, moving_mean=moving_mean,
+                      mean=moving_mean, moving_variance=moving_var, variance=moving_var)
+    return out
+
+
+def _attach_variables(tensor, **variables):
+    try:
+        tensor.variables = _holder(**variables)
+    except AttributeError:  # pragma: no cover - tensors that refuse attributes
+        pass
+
+
+def BatchRenorm(name, x, rmax, dmax, *, momentum=0.9, epsilon=1e-5, center=True, scale=True,
+                gamma_initializer=None, data_format='channels_last', sync_statistics=None,
+                training=None, **legacy_kwargs):
+    """tensorpack's ``BatchRenorm`` (Batch Renormalization, Ioffe 2017), synchronizable.
+
+    It runs the renorm path of :func:`tf1_syncbn.sync_batch_norm`: ``r`` and
+    ``d`` come from the global-batch moments when ``sync_statistics`` is set.
+    The renorm statistics use ``renorm_momentum=0.99`` and the clipping
+    ``rmin = 1 / rmax``, ``rmax``, ``dmax``, as in tensorpack.
+
+    Variable names (under ``name``), as Keras' renorm layer (which tensorpack
+    wraps) creates them: ``beta``, ``gamma``, ``moving_mean``,
+    ``moving_variance``, ``moving_stddev``, ``renorm_mean``, ``renorm_stddev``.
+
+    The update ops go to ``UPDATE_OPS`` on the main training tower, or run
+    inside the layer when synchronized (see :func:`BatchNorm` for when sync
+    hangs and how it fails instead).
+
+    Args:
+      name: the layer's variable scope.
+      x: a rank 2 to 5 tensor.
+      rmax, dmax: the maximal corrections; Python numbers or scalar tensors.
+      momentum: decay of the moving averages (old name: ``decay``).
+      epsilon: added to the variance.
+      center, scale: learn ``beta`` / ``gamma`` (old names: ``use_bias``,
+        ``use_scale``).
+      gamma_initializer: initializer of ``gamma`` (old name: ``gamma_init``).
+      data_format: ``'channels_last'`` or ``'channels_first'``.
+      sync_statistics: as for :func:`BatchNorm`.
+      training: None follows the tower context (True outside one).
+
+    Returns:
+      A tensor named ``<name>/output`` with the shape of ``x``.
+    """
+    layer = 'BatchRenorm(%r)' % (name,)
+    options = {'momentum': _UNSET, 'center': _UNSET, 'scale': _UNSET,
+               'gamma_initializer': _UNSET}
+    _apply_legacy_names(layer, legacy_kwargs, options)
+    explicit = {'momentum': momentum, 'center': center, 'scale': scale,
+                'gamma_initializer': gamma_initializer}
+    for key, value in explicit.items():
+        if options[key] is _UNSET:
+            options[key] = value
+    if data_format not in _DATA_FORMATS:
+        raise ValueError('%s: unknown data_format %r; use one of %s.'
+                         % (layer, data_format, sorted(_DATA_FORMATS)))
+    ctx = get_current_tower_context()
+    if training is None:
+        training = ctx.is_training if ctx is not None else True
+    with tf1.variable_scope(name) as vs:
+        config = core.Config(
+            layer='BatchRenorm(%s)' % vs.name, inputs=x, data_format=_DATA_FORMATS[data_format],
+            is_training=training, momentum=options['momentum'], epsilon=epsilon,
+            center=options['center'], scale=options['scale'], renorm=True,
+            renorm_clipping={'rmin': 1.0 / rmax if not isinstance(rmax, (tf.Tensor, tf.Variable))
+                             else tf.math.reciprocal(tf.cast(rmax, tf.float32)),
+                             'rmax': rmax, 'dmax': dmax},
+            renorm_momentum=0.99, sync_statistics=sync_statistics)
+        config.validate()
+        channels = config.channels
+        gamma_init = options['gamma_initializer'] or tf1.ones_initializer()
+        beta = _get_variable('beta', channels, tf1.zeros_initializer()) \
+            if options['center'] else None
+        gamma = _get_variable('gamma', channels, gamma_init) if options['scale'] else None
+        mean_init, var_init = tf1.zeros_initializer(), tf1.ones_initializer()
+        moving_mean = _get_variable('moving_mean', channels, mean_init, False)
+        moving_var = _get_variable('moving_variance', channels, var_init, False)
+        renorm_vars = core.RenormVariables.create(
+            lambda n, init: _get_variable(n, channels, init, False), mean_init, var_init)
+        if ctx is None or ctx.is_main_training_tower:
+            for v in (moving_mean, moving_var) + tuple(renorm_vars):
+                if v not in tf1.get_collection(tf1.GraphKeys.MODEL_VARIABLES):
+                    tf1.add_to_collection(tf1.GraphKeys.MODEL_VARIABLES, v)
+        params = core.Params(beta, gamma, moving_mean, moving_var, renorm_vars)
+        collections = None if sync_statistics is not None else [tf1.GraphKeys.UPDATE_OPS]
+        out = tf.identity(core.batch_norm(config, params, updates_collections=collections),
+                          name='output')
+    _attach_variables(out, beta=beta, gamma=gamma)
+    return out
