@@ -71,7 +71,12 @@ def split_batches(x, sizes):
 
 
 def build_towers(layer_fn, num_towers, shape, dtype=tf.float32):
-    """Builds ``layer_fn(x)`` on ``num_towers`` virtual CPU towers.
+    """Builds ``layer_fn(x)`` on ``num_towers`` virtual CPU towers (see build_towers_on)."""
+    return build_towers_on(layer_fn, ['/cpu:%d' % i for i in range(num_towers)], shape, dtype)
+
+
+def build_towers_on(layer_fn, devices, shape, dtype=tf.float32):
+    """Builds ``layer_fn(x)`` once per device.
 
     Each tower gets a placeholder with an unknown batch size and an upstream
     gradient placeholder; the loss is ``sum_i sum(y_i * dy_i)`` so that
@@ -92,7 +97,7 @@ def build_towers(layer_fn, num_towers, shape, dtype=tf.float32):
         ys.append(y)
         return y
 
-    call_for_each_tower(tower, ['/cpu:%d' % i for i in range(num_towers)])
+    call_for_each_tower(tower, devices)
     loss = tf.add_n([tf.reduce_sum(tf.cast(y, tf.float32) * dy) for y, dy in zip(ys, dys)])
     return dict(xs=xs, dys=dys, ys=ys, loss=loss)
 

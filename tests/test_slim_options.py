@@ -128,10 +128,15 @@ def test_batch_weights_give_weighted_global_moments(graph, rng, sync):
     np.testing.assert_allclose(values['BatchNorm/moving_variance'], evar, rtol=1e-5)
 
 
-def test_batch_weights_cannot_be_fused(graph):
+@pytest.mark.parametrize('option', [dict(batch_weights=np.ones(4, np.float32)), dict(renorm=True),
+                                    dict(adjustment=lambda s: (1.0, 0.0))])
+def test_unfusable_options_with_fused_true(graph, option):
     x = tf1.placeholder(tf.float32, [None, 3])
-    with pytest.raises(ValueError, match='fused=True'):
-        sync_batch_norm(x, batch_weights=tf.ones([4]), fused=True)
+    with pytest.raises(ValueError, match='fused=True cannot be used with %s' % list(option)[0]):
+        sync_batch_norm(x, fused=True, **option)
+
+
+def test_batch_weights_shape_is_checked(graph):
     with pytest.raises(ValueError, match='batch_weights'):
         sync_batch_norm(tf1.placeholder(tf.float32, [4, 3]), batch_weights=tf.ones([5]))
 

@@ -169,10 +169,15 @@ class Config(object):
             raise self.error('num_dev must be a positive int or None, got %r.' % (self.num_dev,))
         if self.fused not in (None, True, False):
             raise self.error('fused must be None, True or False, got %r.' % (self.fused,))
+        if self.fused:
+            for option, value in (('batch_weights', self.batch_weights),
+                                  ('renorm', self.renorm or None),
+                                  ('adjustment', self.adjustment),
+                                  ('virtual_batch_size', self.virtual_batch_size)):
+                if value is not None:
+                    raise self.error('fused=True cannot be used with %s (no fused kernel '
+                                     'computes it); use fused=None or False.' % option)
         if self.batch_weights is not None:
-            if self.fused:
-                raise self.error('fused=True cannot be used with batch_weights (weighted '
-                                 'moments have no fused kernel); use fused=None or False.')
             self.batch_weights = tf.convert_to_tensor(self.batch_weights)
             w = self.batch_weights
             if w.shape.ndims not in (None, 1):
