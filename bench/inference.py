@@ -17,13 +17,14 @@ Usage: python bench/inference.py [--shape 32,28,28,64] [--steps 50]
 import argparse
 import os
 import sys
-import time
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from _timing import median_times  # noqa: E402
 
 from tf1_syncbn import sync_batch_norm  # noqa: E402
 
@@ -86,16 +87,7 @@ def main():
     shape = tuple(int(s) for s in args.shape.split(','))
     variants = [('fused', fused), ('sync_batch_norm', ours), ('separate_ops', separate_ops)]
     runs = {name: build(layer, shape) for name, layer in variants}
-    for sess, fetch in runs.values():
-        for _ in range(args.warmup):
-            sess.run(fetch)
-    times = {name: [] for name in runs}
-    for _ in range(args.steps):
-        for name, (sess, fetch) in runs.items():
-            start = time.perf_counter()
-            sess.run(fetch)
-            times[name].append(time.perf_counter() - start)
-    med = {name: 1e3 * float(np.median(t)) for name, t in times.items()}
+    med = median_times(runs, args.steps, args.warmup)
     print('inference forward, %s, median of %d steps (ms)' % ('x'.join(map(str, shape)),
                                                               args.steps))
     for name, _ in variants:

@@ -19,13 +19,14 @@ Usage: python bench/sync_step.py [--towers 4] [--shape 32,28,28,64] [--steps 30]
 import argparse
 import os
 import sys
-import time
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from _timing import median_times  # noqa: E402
 from tensorflow.python.ops import collective_ops  # noqa: E402
 
 from tf1_syncbn import CollectiveBackend, sync_batch_norm  # noqa: E402
@@ -115,16 +116,7 @@ def main():
     shape = tuple(int(s) for s in args.shape.split(','))
     variants = [('fused', fused_layer), ('sync_batch_norm', sync_layer), ('seed', seed_layer)]
     runs = {name: build(layer, args.towers, shape) for name, layer in variants}
-    times = {name: [] for name, _ in variants}
-    for name, (sess, fetch) in runs.items():
-        for _ in range(args.warmup):
-            sess.run(fetch)
-    for _ in range(args.steps):
-        for name, (sess, fetch) in runs.items():
-            start = time.perf_counter()
-            sess.run(fetch)
-            times[name].append(time.perf_counter() - start)
-    med = {name: 1e3 * float(np.median(t)) for name, t in times.items()}
+    med = median_times(runs, args.steps, args.warmup)
     print('forward+backward, %d towers of %s, median of %d steps (ms)'
           % (args.towers, 'x'.join(map(str, shape)), args.steps))
     for name, _ in variants:

@@ -87,6 +87,25 @@ def start_finetuning(graph=None):
                         name='start_finetuning')
 
 
+def _check_format_and_training(layer, data_format, training):
+    """Validates ``data_format``; resolves ``training=None`` from the tower context."""
+    if data_format not in _DATA_FORMATS:
+        raise ValueError('%s: unknown data_format %r; use one of %s.'
+                         % (layer, data_format, sorted(_DATA_FORMATS)))
+    ctx = get_current_tower_context()
+    if training is None:
+        training = ctx.is_training if ctx is not None else True
+    return ctx, training
+
+
+def _add_model_variables(ctx, variables):
+    """Moving statistics are model variables of the main training tower (as tensorpack)."""
+    if ctx is None or ctx.is_main_training_tower:
+        for v in variables:
+            if v not in tf1.get_collection(tf1.GraphKeys.MODEL_VARIABLES):
+                tf1.add_to_collection(tf1.GraphKeys.MODEL_VARIABLES, v)
+
+
 def _get_variable(name, channels, initializer, trainable=True):
     return tf1.get_variable(name, [channels], tf.float32, initializer, trainable=trainable)
 
@@ -177,12 +196,7 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_UNSET, epsilo
     if ema_update not in _EMA_UPDATES:
         raise ValueError('%s: ema_update must be one of %s, got %r.'
                          % (layer, _EMA_UPDATES, ema_update))
-    if data_format not in _DATA_FORMATS:
-        raise ValueError('%s: unknown data_format %r; use one of %s.'
-                         % (layer, data_format, sorted(_DATA_FORMATS)))
-    ctx = get_current_tower_context()
-    if training is None:
-        training = ctx.is_training if ctx is not None else True
+    ctx, training = _check_format_and_training(layer, data_format, training)
     if not isinstance(training, (bool, tf.Tensor, tf.Variable)):
         training = bool(training)
     if training is False and ctx is not None and ctx.is_training and \
@@ -206,10 +220,7 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_UNSET, epsilo
             if options['scale'] else None
         moving_mean = _get_variable('mean/EMA', channels, tf1.zeros_initializer(), False)
         moving_var = _get_variable('variance/EMA', channels, tf1.ones_initializer(), False)
-        if ctx is None or ctx.is_main_training_tower:
-            for v in (moving_mean, moving_var):
-                if v not in tf1.get_collection(tf1.GraphKeys.MODEL_VARIABLES):
-                    tf1.add_to_collection(tf1.GraphKeys.MODEL_VARIABLES, v)
+        _add_model_variables(ctx, (moving_mean, moving_var))
         params = core.Params(beta, gamma, moving_mean, moving_var,
                              finetune_count=_finetune_counter(finetune))
         collections = [tf1.GraphKeys.UPDATE_OPS]
@@ -273,12 +284,7 @@ def BatchRenorm(name, x, rmax, dmax, *, momentum=0.9, epsilon=1e-5, center=True,
     for key, value in explicit.items():
         if options[key] is _UNSET:
             options[key] = value
-    if data_format not in _DATA_FORMATS:
-        raise ValueError('%s: unknown data_format %r; use one of %s.'
-                         % (layer, data_format, sorted(_DATA_FORMATS)))
-    ctx = get_current_tower_context()
-    if training is None:
-        training = ctx.is_training if ctx is not None else True
+    ctx, training = _check_format_and_training(layer, data_format, training)
     with tf1.variable_scope(name) as vs:
         config = core.Config(
             layer='BatchRenorm(%s)' % vs.name, inputs=x, data_format=_DATA_FORMATS[data_format],
@@ -299,10 +305,7 @@ def BatchRenorm(name, x, rmax, dmax, *, momentum=0.9, epsilon=1e-5, center=True,
         moving_var = _get_variable('moving_variance', channels, var_init, False)
         renorm_vars = core.RenormVariables.create(
             lambda n, init: _get_variable(n, channels, init, False), mean_init, var_init)
-        if ctx is None or ctx.is_main_training_tower:
-            for v in (moving_mean, moving_var) + tuple(renorm_vars):
-                if v not in tf1.get_collection(tf1.GraphKeys.MODEL_VARIABLES):
-                    tf1.add_to_collection(tf1.GraphKeys.MODEL_VARIABLES, v)
+        _add_model_variables(ctx, (moving_mean, moving_var) + tuple(renorm_vars))
         params = core.Params(beta, gamma, moving_mean, moving_var, renorm_vars)
         collections = None if sync_statistics is not None else [tf1.GraphKeys.UPDATE_OPS]
         out = tf.identity(core.batch_norm(config, params, updates_collections=collections),

@@ -1,0 +1,32 @@
+"""Interleaved timing shared by the benchmark scripts."""
+
+import time
+
+import numpy as np
+
+
+def median_times(runs, steps, warmup, block=5):
+    """Median wall time (ms) of ``sess.run(fetch)`` for each named run.
+
+    The runs take turns in blocks of ``block`` steps, so that drift in the
+    machine's load affects all of them alike. The first step of each block is
+    not timed: it pays for the caches the previous run evicted.
+
+    Args:
+      runs: dict name -> (session, fetch).
+      steps: timed steps per run (rounded up to whole blocks).
+      warmup: untimed steps per run first.
+      block: consecutive steps per turn.
+    """
+    for sess, fetch in runs.values():
+        for _ in range(warmup):
+            sess.run(fetch)
+    times = {name: [] for name in runs}
+    while min(len(t) for t in times.values()) < steps:
+        for name, (sess, fetch) in runs.items():
+            sess.run(fetch)
+            for _ in range(block):
+                start = time.perf_counter()
+                sess.run(fetch)
+                times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * float(np.median(t)) for name, t in times.items()}
