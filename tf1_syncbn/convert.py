@@ -1,0 +1,314 @@
+"""Switch tf-slim models from ``slim.batch_norm`` to :func:`sync_batch_norm`.
+
+This is the TF1 / tf-slim counterpart of PyTorch's
+``nn.SyncBatchNorm.convert_sync_batchnorm`` and Paddle's
+``convert_sync_batchnorm``: a model written for ``slim.batch_norm`` (the
+``tf_slim.nets`` ResNets, Inception, or your own slim code) is built with
+synchronized batch norm without editing it::
+
+    from tf_slim.nets import resnet_v1
+    from tf1_syncbn import sync_arg_scope
+
+    def tower_fn():
+        with slim.arg_scope(resnet_v1.resnet_arg_scope()):
+            with sync_arg_scope():
+                logits, _ = resnet_v1.resnet_v1_50(images, num_classes=10)
+
+    tower.call_for_each_tower(tower_fn, ['/gpu:0', '/gpu:1'])
+
+Models reach batch norm in three ways, and :func:`sync_arg_scope` covers each:
+
+1. ``normalizer_fn=slim.batch_norm`` with ``normalizer_params`` in an
+   ``arg_scope`` of ``conv2d`` / ``fully_connected`` (every ``*_arg_scope`` of
+   ``tf_slim.nets``): the arg scope is rewritten by :func:`convert_arg_scope`
+   so that ``normalizer_fn`` is :func:`sync_batch_norm`, with the same
+   ``normalizer_params`` plus ``sync_statistics`` and your overrides.
+2. ``slim.arg_scope([slim.batch_norm], **params)`` (``resnet_arg_scope`` sets
+   the batch-norm parameters this way too): the parameters are copied to
+   :func:`sync_batch_norm`'s entry of the arg scope.
+3. Direct calls ``layers.batch_norm(...)`` made while the model is built
+   (``resnet_v2``'s pre-activations), and arg scopes that the model opens
+   itself while it is built (``arg_scope([layers.batch_norm],
+   is_training=is_training)`` in ``resnet_v1``, ``resnet_v2`` and
+   ``inception_v3``): these look the function up by name at call time, so
+   while the ``with`` block is open :func:`sync_arg_scope` **patches** the
+   module attribute ``batch_norm`` to :func:`sync_batch_norm` in
+
+   * ``tf_slim`` (``slim.batch_norm``),
+   * ``tf_slim.layers`` (``slim.layers.batch_norm``),
+   * ``tf_slim.layers.layers`` (the module that ``tf_slim.nets`` imports as
+     ``layers`` / ``layers_lib``),
+   * every other loaded ``tf_slim.*`` module whose ``batch_norm`` attribute is
+     slim's batch norm, and the extra modules you pass in ``modules``.
+
+   The original functions are restored when the block exits, also on an
+   exception. Without the patch, case 3 would build ``slim.batch_norm`` (which
+   does not work on TF 2.16+) and the model's ``is_training`` would not reach
+   the converted layers.
+
+What is *not* converted: a reference to ``slim.batch_norm`` that was copied
+into another name before the block (``bn = slim.batch_norm``) or into a module
+that is not listed; ``tf.compat.v1.layers.batch_normalization`` and Keras
+layers. The patch changes module attributes for the whole process while the
+block is open: do not build another model in another thread at the same time.
+"""
+
+import contextlib
+import inspect
+import sys
+
+from tf_slim.ops import arg_scope as slim_arg_scope
+
+from tf1_syncbn.slim_layer import sync_batch_norm
+
+__all__ = ['sync_arg_scope', 'convert_arg_scope', 'patch_slim_batch_norm',
+           'is_slim_batch_norm']
+
+_SLIM_LAYERS_MODULE = 'tf_slim.layers.layers'
+
+
+def _load_slim_batch_norm():
+    __import__(_SLIM_LAYERS_MODULE)
+    return getattr(sys.modules[_SLIM_LAYERS_MODULE], 'batch_norm')
+
+
+_ORIGINAL_BATCH_NORM = _load_slim_batch_norm()
+_SYNC_KEY = slim_arg_scope.arg_scope_func_key(sync_batch_norm)
+_SLIM_KEY = slim_arg_scope.arg_scope_func_key(_ORIGINAL_BATCH_NORM)
+
+
+def is_slim_batch_norm(fn):
+    """True when ``fn`` is tf-slim's ``batch_norm`` (under any of its module names)."""
+    if fn is None:
+        return False
+    if fn is _ORIGINAL_BATCH_NORM:
+        return True
+    try:
+        return slim_arg_scope.arg_scope_func_key(fn) == _SLIM_KEY
+    except (TypeError, AttributeError):
+        return False
+
+
+def _is_sync_batch_norm(fn):
+    if fn is None:
+        return False
+    if fn is sync_batch_norm:
+        return True
+    try:
+        return slim_arg_scope.arg_scope_func_key(fn) == _SYNC_KEY
+    except (TypeError, AttributeError):
+        return False
+
+
+def _check_scope(scope, what):
+    if not isinstance(scope, dict):
+        raise TypeError('%s: scope must be a slim arg_scope dict (what slim.arg_scope(...) '
+                        'yields or a *_arg_scope() function returns), got %r.' % (what, scope))
+    for key, kwargs in scope.items():
+        if not isinstance(kwargs, dict):
+            raise TypeError('%s: the arg_scope entry %r must be a dict of keyword arguments, '
+                            'got %r.' % (what, key, kwargs))
+
+
+def _sync_kwargs(sync_statistics, bn_overrides):
+    kwargs = dict(bn_overrides)
+    kwargs['sync_statistics'] = sync_statistics
+    return kwargs
+
+
+def _keyword_names(fn):
+    # Not slim's arg_scoped_arguments(): it miscounts functions with locals.
+    return [p.name for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def _check_overrides(bn_overrides, what):
+    if 'inputs' in bn_overrides or 'scope' in bn_overrides:
+        raise TypeError('%s: inputs and scope cannot be overridden for every layer.' % what)
+    allowed = set(_keyword_names(sync_batch_norm)) - {'inputs', 'scope'}
+    unknown = sorted(set(bn_overrides) - allowed)
+    if unknown:
+        raise TypeError('%s: unknown sync_batch_norm argument(s) %s; allowed are %s.'
+                        % (what, unknown, sorted(allowed)))
+
+
+def convert_arg_scope(scope, sync_statistics='auto', add_normalizer_to=(), **bn_overrides):
+    """Returns a copy of a slim arg scope that uses :func:`sync_batch_norm`.
+
+    Every entry with ``normalizer_fn=slim.batch_norm`` (for example the
+    ``conv2d`` entry of ``resnet_arg_scope()``) gets
+    ``normalizer_fn=sync_batch_norm`` and ``normalizer_params`` extended with
+    ``sync_statistics`` and ``bn_overrides``. The keyword arguments given to
+    ``slim.batch_norm`` itself (``arg_scope([slim.batch_norm], ...)``) are
+    copied to the entry of :func:`sync_batch_norm`, which also receives
+    ``sync_statistics`` and ``bn_overrides``. Entries that already use
+    :func:`sync_batch_norm` are extended the same way. The input is not
+    modified.
+
+    This only rewrites the arg scope; models that call ``slim.batch_norm``
+    directly, or open their own ``arg_scope([slim.batch_norm], ...)``, also
+    need :func:`patch_slim_batch_norm`. :func:`sync_arg_scope` does both.
+
+    Args:
+      scope: a slim arg-scope dict, such as ``resnet_v1.resnet_arg_scope()`` or
+        ``slim.current_arg_scope()``.
+      sync_statistics: passed to every :func:`sync_batch_norm`: ``'auto'``,
+        ``'collective'``, ``'nccl'``, a backend object, or None for per-tower
+        statistics.
+      add_normalizer_to: ops decorated with ``add_arg_scope`` (such as
+        ``slim.conv2d``) that get ``normalizer_fn=sync_batch_norm`` where the
+        scope gives them no normalizer yet: this adds batch norm to nets that
+        have none, such as VGG ("VGG-BN"). Their ``normalizer_params`` are
+        ``sync_statistics`` and ``bn_overrides``. An explicit
+        ``normalizer_fn=None`` in the model (VGG's ``fc8`` logits) still wins.
+      **bn_overrides: :func:`sync_batch_norm` arguments that override the
+        scope's, for example ``decay=0.9`` or ``is_training=False``.
+
+    Returns:
+      A new arg-scope dict, for ``slim.arg_scope(new_scope)``.
+
+    Raises:
+      TypeError: when ``scope`` is not an arg-scope dict, an override is not
+        an argument of :func:`sync_batch_norm`, or an op of
+        ``add_normalizer_to`` is not decorated with ``add_arg_scope``.
+    """
+    what = 'convert_arg_scope'
+    _check_scope(scope, what)
+    _check_overrides(bn_overrides, what)
+    sync_kwargs = _sync_kwargs(sync_statistics, bn_overrides)
+    converted = {}
+    for key, kwargs in scope.items():
+        kwargs = dict(kwargs)
+        if 'normalizer_fn' in kwargs and (is_slim_batch_norm(kwargs['normalizer_fn']) or
+                                          _is_sync_batch_norm(kwargs['normalizer_fn'])):
+            params = kwargs.get('normalizer_params') or {}
+            if not isinstance(params, dict):
+                raise TypeError('%s: normalizer_params of the arg_scope entry %r must be a dict, '
+                                'got %r.' % (what, key, params))
+            params = dict(params)
+            params.update(sync_kwargs)
+            kwargs['normalizer_fn'] = sync_batch_norm
+            kwargs['normalizer_params'] = params
+        converted[key] = kwargs
+    bn_kwargs = dict(scope.get(_SLIM_KEY, {}))
+    bn_kwargs.update(scope.get(_SYNC_KEY, {}))
+    bn_kwargs.update(sync_kwargs)
+    converted[_SYNC_KEY] = bn_kwargs
+    for op in add_normalizer_to or ():
+        if not slim_arg_scope.has_arg_scope(op):
+            raise TypeError('%s: add_normalizer_to lists %r, which is not decorated with '
+                            'add_arg_scope.' % (what, op))
+        key = slim_arg_scope.arg_scope_func_key(op)
+        if 'normalizer_fn' not in _keyword_names(op):
+            raise TypeError('%s: %r has no normalizer_fn argument.' % (what, op))
+        kwargs = dict(converted.get(key, {}))
+        if kwargs.get('normalizer_fn') is None:
+            kwargs['normalizer_fn'] = sync_batch_norm
+            kwargs['normalizer_params'] = dict(sync_kwargs)
+        converted[key] = kwargs
+    return converted
+
+
+@contextlib.contextmanager
+def patch_slim_batch_norm(modules=()):
+    """Makes ``slim.batch_norm`` name :func:`sync_batch_norm` inside the block.
+
+    Sets the attribute ``batch_norm`` to :func:`sync_batch_norm` in
+    ``tf_slim``, ``tf_slim.layers``, ``tf_slim.layers.layers`` and every other
+    loaded ``tf_slim.*`` module where it is slim's batch norm, and in the
+    extra ``modules``; restores every attribute it changed on exit (also on
+    an exception). Nested uses are fine. Not thread-safe: the attributes are
+    process-wide.
+
+    Args:
+      modules: extra module objects (or ``sys.modules`` names) whose
+        ``batch_norm`` attribute should be patched too, for your own code that
+        did ``from tf_slim.layers.layers import batch_norm``.
+
+    Yields:
+      The list of ``(module, attribute)`` pairs that were patched.
+
+    Raises:
+      TypeError: when ``modules`` names a module that is not loaded, or that
+        has no ``batch_norm`` attribute that is slim's batch norm.
+    """
+    targets = []
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == 'tf_slim' or name.startswith('tf_slim.')):
+            continue
+        if is_slim_batch_norm(getattr(module, 'batch_norm', None)):
+            targets.append(module)
+    for module in modules or ():
+        if isinstance(module, str):
+            if module not in sys.modules:
+                raise TypeError('patch_slim_batch_norm: module %r is not imported.' % module)
+            module = sys.modules[module]
+        current = getattr(module, 'batch_norm', None)
+        if _is_sync_batch_norm(current):
+            continue
+        if not is_slim_batch_norm(current):
+            raise TypeError('patch_slim_batch_norm: %r has no batch_norm attribute that is '
+                            'slim.batch_norm.' % (module,))
+        if module not in targets:
+            targets.append(module)
+    patched = []
+    try:
+        for module in targets:
+            original = module.batch_norm
+            module.batch_norm = sync_batch_norm
+            patched.append((module, original))
+        yield [(module, 'batch_norm') for module, _ in patched]
+    finally:
+        for module, original in reversed(patched):
+            module.batch_norm = original
+
+
+@contextlib.contextmanager
+def sync_arg_scope(scope=None, sync_statistics='auto', add_normalizer_to=(), patch=True,
+                   modules=(), **bn_overrides):
+    """Builds slim models with :func:`sync_batch_norm` instead of ``slim.batch_norm``.
+
+    Opens ``slim.arg_scope(convert_arg_scope(scope, ...))`` (the current arg
+    scope when ``scope`` is None) and, with ``patch``, also
+    :func:`patch_slim_batch_norm` for the duration of the block; see the module
+    docstring for what is patched. Build the model inside the block::
+
+        with slim.arg_scope(resnet_v2.resnet_arg_scope()):
+            with sync_arg_scope(decay=0.9):
+                logits, _ = resnet_v2.resnet_v2_50(images, num_classes=10)
+
+        # Or in one call:
+        with sync_arg_scope(inception_v3.inception_v3_arg_scope()):
+            logits, _ = inception_v3.inception_v3(images, num_classes=10)
+
+        # VGG has no batch norm: add it to every conv (a VGG-BN).
+        with sync_arg_scope(vgg.vgg_arg_scope(), add_normalizer_to=[slim.conv2d]):
+            logits, _ = vgg.vgg_16(images, num_classes=10)
+
+    Args:
+      scope: a slim arg-scope dict to convert, or None for the current one.
+      sync_statistics: passed to every :func:`sync_batch_norm` (``'auto'``,
+        ``'collective'``, ``'nccl'``, a backend object, or None for per-tower
+        statistics).
+      add_normalizer_to: see :func:`convert_arg_scope`.
+      patch: also patch ``slim.batch_norm`` (see :func:`patch_slim_batch_norm`).
+        Needed for models that call it directly or open their own arg scope
+        for it (``resnet_v1``, ``resnet_v2``, ``inception_v3``).
+      modules: extra modules to patch, see :func:`patch_slim_batch_norm`.
+      **bn_overrides: :func:`sync_batch_norm` arguments that override the
+        scope's.
+
+    Yields:
+      The converted arg-scope dict.
+
+    Raises:
+      TypeError: see :func:`convert_arg_scope` and :func:`patch_slim_batch_norm`.
+    """
+    if scope is None:
+        scope = slim_arg_scope.current_arg_scope()
+    converted = convert_arg_scope(scope, sync_statistics=sync_statistics,
+                                  add_normalizer_to=add_normalizer_to, **bn_overrides)
+    with contextlib.ExitStack() as stack:
+        if patch:
+            stack.enter_context(patch_slim_batch_norm(modules))
+        yield stack.enter_context(slim_arg_scope.arg_scope(converted))
