@@ -40,14 +40,16 @@ copies.
 """
 
 import os
+import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 import tf_slim as slim
 from tf_slim.nets import inception_v3, resnet_v1, resnet_v2, vgg
+from tf_slim.ops import arg_scope as slim_arg_scope
 
-from tf1_syncbn import convert, sync_arg_scope
+from tf1_syncbn import convert, sync_arg_scope, sync_batch_norm
 from tower import average_gradients, call_for_each_tower, get_current_tower_context
 from tower import virtual_cpu_config
 
@@ -143,7 +145,7 @@ def _check_structure(graph, name, scope, towers):
     else:
         assert not collectives
     # The patch is gone after the build.
-    layers_module = convert.sys.modules['tf_slim.layers.layers']
+    layers_module = sys.modules['tf_slim.layers.layers']
     assert convert.is_slim_batch_norm(layers_module.batch_norm)
     assert convert.is_slim_batch_norm(slim.batch_norm)
 
@@ -274,3 +276,99 @@ def test_resnet_v2_per_tower_statistics_reach_direct_batch_norm_calls():
         assert not [op for op in graph.get_operations() if 'Collective' in op.type]
         moving = [v for v in tf1.global_variables() if v.op.name.endswith('moving_mean')]
         assert len(moving) == num_bn
+
+
+def test_resnet_v1_inference_reaches_every_layer():
+    """The net's own arg_scope([batch_norm], is_training=False) reaches sync_batch_norm."""
+    graph = tf.Graph()
+    with graph.as_default():
+        images = tf1.placeholder(tf.float32, [2, 32, 32, 3])
+        with sync_arg_scope(resnet_v1.resnet_arg_scope()):
+            resnet_v1.resnet_v1_50(images, num_classes=NUM_CLASSES, is_training=False)
+        assert not tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
+        assert not [op for op in graph.get_operations() if 'Collective' in op.type]
+        moving = [v for v in tf1.global_variables() if v.op.name.endswith('moving_mean')]
+        assert len(moving) == _NETS['resnet_v1_50'][3]
+
+
+# --------------------------------------------------------------------------
+# convert_arg_scope / patch_slim_batch_norm, without building nets.
+
+def test_convert_arg_scope_rewrites_normalizer_and_batch_norm_entries():
+    scope = resnet_v1.resnet_arg_scope(batch_norm_decay=0.9)
+    before = {k: dict(v) for k, v in scope.items()}
+    converted = convert.convert_arg_scope(scope, sync_statistics=None, epsilon=1e-4)
+    conv_key = slim_arg_scope.arg_scope_func_key(slim.conv2d)
+    bn_key = slim_arg_scope.arg_scope_func_key(sync_batch_norm)
+    assert converted[conv_key]['normalizer_fn'] is sync_batch_norm
+    params = converted[conv_key]['normalizer_params']
+    assert params['decay'] == 0.9 and params['scale'] is True
+    assert params['sync_statistics'] is None and params['epsilon'] == 1e-4
+    # arg_scope([slim.batch_norm], **params) is copied to sync_batch_norm's entry.
+    assert converted[bn_key]['decay'] == 0.9
+    assert converted[bn_key]['sync_statistics'] is None
+    assert converted[bn_key]['epsilon'] == 1e-4
+    # The input is untouched.
+    assert {k: dict(v) for k, v in scope.items()} == before
+    assert convert.is_slim_batch_norm(scope[conv_key]['normalizer_fn'])
+
+
+def test_convert_keeps_inception_variables_collections():
+    converted = convert.convert_arg_scope(inception_v3.inception_v3_arg_scope())
+    conv_key = slim_arg_scope.arg_scope_func_key(slim.conv2d)
+    params = converted[conv_key]['normalizer_params']
+    assert params['variables_collections']['moving_mean'] == ['moving_vars']
+    assert params['fused'] is True and params['sync_statistics'] == 'auto'
+
+
+def test_add_normalizer_to_respects_existing_normalizers():
+    with slim.arg_scope([slim.fully_connected], normalizer_fn=None):
+        scope = slim_arg_scope.current_arg_scope()
+    converted = convert.convert_arg_scope(scope, add_normalizer_to=[slim.conv2d],
+                                          decay=0.5)
+    conv = converted[slim_arg_scope.arg_scope_func_key(slim.conv2d)]
+    assert conv['normalizer_fn'] is sync_batch_norm
+    assert conv['normalizer_params'] == {'decay': 0.5, 'sync_statistics': 'auto'}
+    fc = converted[slim_arg_scope.arg_scope_func_key(slim.fully_connected)]
+    assert fc['normalizer_fn'] is None
+
+
+@pytest.mark.parametrize('kwargs, error', [
+    (dict(scope=['not', 'a', 'dict']), TypeError),
+    (dict(scope={}, momentum=0.9), TypeError),
+    (dict(scope={}, inputs=1), TypeError),
+    (dict(scope={}, add_normalizer_to=[len]), TypeError),
+    (dict(scope={'k': 1}), TypeError),
+])
+def test_convert_arg_scope_errors(kwargs, error):
+    scope = kwargs.pop('scope')
+    with pytest.raises(error):
+        convert.convert_arg_scope(scope, **kwargs)
+
+
+def test_patch_is_restored_on_exit_and_on_error():
+    layers_module = sys.modules['tf_slim.layers.layers']
+    original = layers_module.batch_norm
+    with sync_arg_scope({}):
+        assert slim.batch_norm is sync_batch_norm
+        assert layers_module.batch_norm is sync_batch_norm
+        with convert.patch_slim_batch_norm():  # nested: a no-op
+            assert slim.layers.batch_norm is sync_batch_norm
+        assert slim.batch_norm is sync_batch_norm
+    assert layers_module.batch_norm is original and slim.batch_norm is original
+    with pytest.raises(RuntimeError):
+        with sync_arg_scope({}):
+            raise RuntimeError('boom')
+    assert layers_module.batch_norm is original and slim.batch_norm is original
+    with sync_arg_scope({}, patch=False):
+        assert slim.batch_norm is original
+
+
+def test_sync_arg_scope_converts_the_current_scope():
+    with slim.arg_scope(vgg.vgg_arg_scope()):
+        with sync_arg_scope(add_normalizer_to=[slim.conv2d], decay=0.8) as sc:
+            assert sc is slim_arg_scope.current_arg_scope()
+            conv = sc[slim_arg_scope.arg_scope_func_key(slim.conv2d)]
+            assert conv['padding'] == 'SAME'  # vgg_arg_scope's own argument
+            assert conv['normalizer_fn'] is sync_batch_norm
+            assert conv['normalizer_params']['decay'] == 0.8

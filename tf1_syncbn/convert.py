@@ -42,9 +42,9 @@ Models reach batch norm in three ways, and :func:`sync_arg_scope` covers each:
      slim's batch norm, and the extra modules you pass in ``modules``.
 
    The original functions are restored when the block exits, also on an
-   exception. Without the patch, case 3 would build ``slim.batch_norm`` (which
-   does not work on TF 2.16+) and the model's ``is_training`` would not reach
-   the converted layers.
+   exception. Without the patch, case 3 would build ``slim.batch_norm``
+   (which fails on recent TF, 2.21 included) and the model's ``is_training``
+   would not reach the converted layers.
 
 What is *not* converted: a reference to ``slim.batch_norm`` that was copied
 into another name before the block (``bn = slim.batch_norm``) or into a module
@@ -54,6 +54,7 @@ block is open: do not build another model in another thread at the same time.
 """
 
 import contextlib
+import importlib
 import inspect
 import sys
 
@@ -67,12 +68,7 @@ __all__ = ['sync_arg_scope', 'convert_arg_scope', 'patch_slim_batch_norm',
 _SLIM_LAYERS_MODULE = 'tf_slim.layers.layers'
 
 
-def _load_slim_batch_norm():
-    __import__(_SLIM_LAYERS_MODULE)
-    return getattr(sys.modules[_SLIM_LAYERS_MODULE], 'batch_norm')
-
-
-_ORIGINAL_BATCH_NORM = _load_slim_batch_norm()
+_ORIGINAL_BATCH_NORM = importlib.import_module(_SLIM_LAYERS_MODULE).batch_norm
 _SYNC_KEY = slim_arg_scope.arg_scope_func_key(sync_batch_norm)
 _SLIM_KEY = slim_arg_scope.arg_scope_func_key(_ORIGINAL_BATCH_NORM)
 
