@@ -342,7 +342,7 @@ def main(argv=None):
     if not args.no_docs_copy:
         os.makedirs(os.path.dirname(DOCS_PLOT), exist_ok=True)
         shutil.copyfile(plot_path, DOCS_PLOT)
-        print('Plot copied to %s (shown in the README).' % os.path.relpath(DOCS_PLOT))
+        print('Plot copied to %s (the picture for the README).' % os.path.relpath(DOCS_PLOT))
     print('Total time: %.1f s' % (time.time() - start))
     if final['sync'] < args.min_accuracy:
         print('FAIL: the SyncBN model scored %.2f%%, below --min-accuracy %.2f%%.'
