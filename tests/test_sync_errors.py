@@ -60,6 +60,13 @@ def test_num_dev_must_agree_with_towers_without_sync(graph):
                      (None, 3))
 
 
+def test_num_dev_outside_towers_is_fine_for_inference(graph):
+    """The same normalizer_params can build a single-tower inference graph."""
+    y = sync_batch_norm(ph([4, 3]), is_training=False, num_dev=2,
+                        sync_statistics='collective')
+    assert y.shape.as_list() == [4, 3]
+
+
 def test_tower_name_scope_beyond_num_dev(graph):
     with tf.name_scope('tower5'):
         with pytest.raises(ValueError, match='tower 5 but num_dev=2'):

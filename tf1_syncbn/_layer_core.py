@@ -246,6 +246,9 @@ def tower_info(config):
         return TowerInfo(None, 0, 1)
     scope = tf1.get_default_graph().get_name_scope()
     index = tower_index_from_name(scope)
+    if config.is_training is False:
+        # Inference needs no tower index: nothing is synchronized or updated.
+        return TowerInfo(None, index or 0, config.num_dev)
     if index is None:
         raise config.error(
             'num_dev=%d but the layer is built outside any tower: build each tower in '
