@@ -22,7 +22,7 @@ Every ``--eval-every`` steps the held-out set is scored with an inference path
 end, the sync model is saved with ``tf.compat.v1.train.Saver``, restored into
 a separate single-tower inference graph and scored there; the per-tower model
 gets the same treatment. A PNG plot of both runs' loss and accuracy goes to
-``--out-dir`` and is copied to ``docs/demo.png``.
+``--out-dir`` (``--update-docs`` also copies it to ``docs/demo.png``).
 
 What to expect (2 CPU cores, about 35 s for both runs): at 2 examples per
 tower the per-tower model's held-out accuracy falls to ~70% (its 2-example
@@ -95,8 +95,8 @@ def parse_args(argv=None):
                         help='score the held-out set every this many steps')
     parser.add_argument('--min-accuracy', type=float, default=0.95,
                         help='fail (exit 1) when the SyncBN model scores below this')
-    parser.add_argument('--no-docs-copy', action='store_true',
-                        help='do not copy the plot to docs/demo.png')
+    parser.add_argument('--update-docs', action='store_true',
+                        help='also copy the plot to docs/demo.png (the README picture)')
     args = parser.parse_args(argv)
     for name in ('towers', 'batch_per_tower', 'steps', 'eval_every'):
         if getattr(args, name) < 1:
@@ -338,7 +338,7 @@ def main(argv=None):
     print('  per-tower BN (sync_statistics=None): %.2f%%' % (100 * final['per-tower']))
     print('Checkpoint (sync model): %s' % checkpoints['sync'])
     print('Plot: %s' % plot_path)
-    if not args.no_docs_copy:
+    if args.update_docs:
         os.makedirs(os.path.dirname(DOCS_PLOT), exist_ok=True)
         shutil.copyfile(plot_path, DOCS_PLOT)
         print('Plot copied to %s (the picture for the README).' % os.path.relpath(DOCS_PLOT))
