@@ -31,6 +31,8 @@ setup(
     long_description=_readme(),
     long_description_content_type='text/markdown',
     packages=find_packages(include=['tower', 'tower.*', 'tf1_syncbn', 'tf1_syncbn.*']),
+    # The CPU kernels are compiled from source against the installed TF on first use.
+    package_data={'tf1_syncbn': ['kernels/*.cc']},
     license='Apache-2.0',
     python_requires='>=3.9',
     install_requires=[

@@ -4,7 +4,9 @@ Prints, for one shape on N towers (default 4 x 32x28x28x64), the median step
 time of:
 
 * ``fused``: unsynchronized ``tf.nn.fused_batch_norm`` per tower (the floor);
-* ``sync_batch_norm``: this library, collective backend;
+* ``sync_batch_norm``: this library, collective backend (with its compiled CPU
+  kernels when they are available);
+* ``sync_stock_kernels``: the same with TensorFlow's stock kernels only;
 * ``seed``: the seed algorithm (all-reduce E[x] and E[x^2] separately,
   var = E[x^2] - E[x]^2, two collectives forward and two backward) on the same
   collective ops;
@@ -29,7 +31,7 @@ import tensorflow as tf  # noqa: E402
 from _timing import median_times  # noqa: E402
 from tensorflow.python.ops import collective_ops  # noqa: E402
 
-from tf1_syncbn import CollectiveBackend, sync_batch_norm  # noqa: E402
+from tf1_syncbn import CollectiveBackend, kernels, sync_batch_norm  # noqa: E402
 from tower import call_for_each_tower, get_current_tower_context, virtual_cpu_config  # noqa: E402
 
 tf1 = tf.compat.v1
@@ -78,6 +80,11 @@ def sync_layer(x):
                            sync_statistics=CollectiveBackend(timeout=120))
 
 
+def sync_layer_stock(x):
+    with kernels.use_custom_kernels(False):
+        return sync_layer(x)
+
+
 def build(layer, towers, shape):
     graph = tf.Graph()
     with graph.as_default():
@@ -114,15 +121,18 @@ def main():
     args = parser.parse_args()
     tf1.disable_eager_execution()
     shape = tuple(int(s) for s in args.shape.split(','))
-    variants = [('fused', fused_layer), ('sync_batch_norm', sync_layer), ('seed', seed_layer)]
+    variants = [('fused', fused_layer), ('sync_batch_norm', sync_layer),
+                ('sync_stock_kernels', sync_layer_stock), ('seed', seed_layer)]
     runs = {name: build(layer, args.towers, shape) for name, layer in variants}
     med = median_times(runs, args.steps, args.warmup)
     print('forward+backward, %d towers of %s, median of %d steps (ms)'
           % (args.towers, 'x'.join(map(str, shape)), args.steps))
     for name, _ in variants:
-        print('  %-16s %8.2f ms' % (name, med[name]))
+        print('  %-19s %8.2f ms' % (name, med[name]))
+    print('kernels: %s' % kernels.status())
     print('  ratio sync_batch_norm / fused: %.2fx  (target <= 1.20x)'
           % (med['sync_batch_norm'] / med['fused']))
+    print('  ratio sync_stock_kernels / fused: %.2fx' % (med['sync_stock_kernels'] / med['fused']))
     print('  ratio seed / fused:            %.2fx' % (med['seed'] / med['fused']))
     print('  ratio seed / sync_batch_norm:  %.2fx' % (med['seed'] / med['sync_batch_norm']))
 

@@ -31,3 +31,13 @@ def make_session(graph, num_devices=MAX_DEVICES):
 @pytest.fixture
 def rng():
     return np.random.RandomState(1234)
+
+
+@pytest.fixture(params=['custom', 'stock'])
+def kernel_impl(request):
+    """Runs a test once with the compiled CPU kernels and once with TF's stock kernels."""
+    from tf1_syncbn import kernels
+    with kernels.use_custom_kernels(request.param == 'custom'):
+        if request.param == 'custom':
+            assert kernels.load() is not None, kernels.status()
+        yield request.param

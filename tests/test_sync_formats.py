@@ -9,6 +9,8 @@ from conftest import make_session
 from tf1_syncbn import CollectiveBackend, sync_batch_norm
 
 tf1 = tf.compat.v1
+# Every test runs with the compiled CPU kernels and with TF's stock kernels.
+pytestmark = pytest.mark.usefixtures('kernel_impl')
 EPS = 1e-3
 
 CASES = [

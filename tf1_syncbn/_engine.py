@@ -178,10 +178,12 @@ def train_normalize(x4, fmt, gamma, beta, epsilon, backend=None, key=None):
             return tensor
         return backend.all_reduce(tensor, key, direction)
 
+    kernels = _math.kernels_for(key.device if key is not None else x4.device)
+
     @tf.custom_gradient
     def sync_bn(x4, gamma, beta):
         device = key.device if key is not None else x4.device
-        count, shift, mean_s, m2 = _math.robust_local_moments(x4, fmt)
+        count, shift, mean_s, m2 = kernels.moments(x4, fmt)
         packed = all_reduce(_math.pack_moments(count, shift, mean_s, m2), 'forward')
         n64, mean64, var64 = _math.unpack_moments(packed, channels)
         mean = tf.cast(mean64, _math.STAT_DTYPE)
@@ -194,12 +196,12 @@ def train_normalize(x4, fmt, gamma, beta, epsilon, backend=None, key=None):
                 return tower_grad(dy4)
 
         def tower_grad(dy4):
-            dx_part, dgamma, dbeta = _math.backward_local(dy4, x4, gamma, reserve, epsilon,
-                                                          fmt)
+            state, dgamma, dbeta = kernels.backward_local(dy4, x4, gamma, mean, var, reserve,
+                                                          epsilon, fmt)
             packed_grads = tf.concat([dgamma, dbeta], 0, name='packed_grads')
             total = all_reduce(packed_grads, 'backward')
-            dx = _math.backward_finish(x4, dx_part, gamma, mean, var, total[:channels],
-                                       total[channels:], count_all, epsilon, fmt)
+            dx = kernels.backward_finish(state, dy4, x4, gamma, mean, var, total[:channels],
+                                         total[channels:], count_all, epsilon, fmt)
             return dx, dgamma, dbeta
 
         return (y4, mean, var, count_all), grad

@@ -314,3 +314,66 @@ def weighted_local_moments(xs4, fmt, weights=None):
     bshape = broadcast_shape(fmt, xs4.shape[channel_axis(fmt)])
     m2 = tf.reduce_sum(w * tf.square(x - tf.reshape(mean, bshape)), axes)
     return count, mean, m2
+
+
+# --------------------------------------------------------------------------
+# Kernel sets: two implementations of the same three steps of a synchronized
+# training step, chosen per tower device by :func:`kernels_for`.
+
+class StockKernels(object):
+    """TensorFlow's own kernels (any device): fused kernels plus an add."""
+
+    name = 'stock'
+
+    def moments(self, x4, fmt):
+        """``(count, shift, mean, m2)`` of the local batch (see robust_local_moments)."""
+        return robust_local_moments(x4, fmt)
+
+    def backward_local(self, dy4, x4, gamma, mean, var, reserve, epsilon, fmt):
+        """``(state, dgamma, dbeta)``: the local sums, and what backward_finish needs."""
+        del mean, var
+        return backward_local(dy4, x4, gamma, reserve, epsilon, fmt)
+
+    def backward_finish(self, state, dy4, x4, gamma, mean, var, dgamma, dbeta, count,
+                        epsilon, fmt):
+        """The input gradient from the global sums."""
+        del dy4
+        return backward_finish(x4, state, gamma, mean, var, dgamma, dbeta, count, epsilon, fmt)
+
+
+class CustomCpuKernels(object):
+    """The compiled CPU kernels of :mod:`tf1_syncbn.kernels`: one pass per step."""
+
+    name = 'custom'
+
+    def __init__(self, ops):
+        self._ops = ops
+
+    def moments(self, x4, fmt):
+        return self._ops.sync_bn_moments(x4, data_format=fmt, name='local_moments')
+
+    def backward_local(self, dy4, x4, gamma, mean, var, reserve, epsilon, fmt):
+        del gamma, reserve
+        sum_dy, sum_dy_xmu = self._ops.sync_bn_grad_sums(dy4, x4, mean, data_format=fmt,
+                                                         name='backward_local')
+        return None, sum_dy_xmu * tf.math.rsqrt(var + epsilon), sum_dy
+
+    def backward_finish(self, state, dy4, x4, gamma, mean, var, dgamma, dbeta, count,
+                        epsilon, fmt):
+        # dx = gamma*r*(dy - dbeta/n - xhat*dgamma/n), xhat = (x - mean)*r
+        del state
+        r = tf.math.rsqrt(var + epsilon)
+        inv_n = 1.0 / tf.maximum(count, 1.0)
+        return self._ops.sync_bn_grad_input(
+            dy4, x4, gamma * r, mean, -gamma * r * r * dgamma * inv_n,
+            -gamma * r * dbeta * inv_n, data_format=fmt, name='dx')
+
+
+def kernels_for(device):
+    """The kernel set for a tower on ``device`` (a canonical device string)."""
+    from tf1_syncbn import kernels  # noqa: PLC0415 - compiled lazily, on first use
+    device_type = tf.DeviceSpec.from_string(device or '').device_type
+    on_cpu = device_type == 'CPU' or (
+        not device_type and not tf.config.list_physical_devices('GPU'))
+    ops = kernels.load() if on_cpu else None
+    return CustomCpuKernels(ops) if ops is not None else StockKernels()

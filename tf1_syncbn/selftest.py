@@ -378,6 +378,9 @@ def main(argv=None):
              ', '.join(str(d) for d in DEFAULT_SHAPE)))
     if note:
         print('note: ' + note)
+    if device_type == 'CPU':
+        from tf1_syncbn import kernels
+        print('CPU kernels: ' + kernels.status())
     results = [run_check(b, towers=towers, steps=args.steps, seed=args.seed,
                          device=args.device) for b in backends]
     print(format_table(results))
