@@ -66,6 +66,52 @@ void ShardedSum(OpKernelContext* ctx, const Layout& l, int width, Fn fn,
 
 constexpr int64_t kBlock = 256;  // rows accumulated in float before flushing to double
 
+// Sums two per-element values, pair(k, c, &u, &v) for element k of channel c,
+// over every element of each channel. Returns [sum_u (C), sum_v (C)] in double.
+// The statistics kernels differ only in what they sum.
+template <typename Pair>
+std::vector<double> TwoSumsPerChannel(OpKernelContext* ctx, const Layout& l, Pair pair) {
+  const int64_t C = l.channels;
+  std::vector<double> total;
+  ShardedSum(ctx, l, 2 * C, [&](int64_t o0, int64_t o1, double* acc) {
+    std::vector<float> a(C, 0.f), b(C, 0.f);
+    int64_t rows = 0;
+    for (int64_t o = o0; o < o1; ++o) {
+      const int64_t base = o * C * l.inner;
+      if (l.inner == 1) {  // channels last: vectorize over channels
+        for (int64_t c = 0; c < C; ++c) {
+          float u, v;
+          pair(base + c, c, &u, &v);
+          a[c] += u;
+          b[c] += v;
+        }
+      } else {
+        for (int64_t c = 0; c < C; ++c) {
+          const int64_t off = base + c * l.inner;
+          float sa = 0.f, sb = 0.f;
+          for (int64_t i = 0; i < l.inner; ++i) {
+            float u, v;
+            pair(off + i, c, &u, &v);
+            sa += u;
+            sb += v;
+          }
+          a[c] += sa;
+          b[c] += sb;
+        }
+      }
+      if (++rows == kBlock || o + 1 == o1) {
+        for (int64_t c = 0; c < C; ++c) {
+          acc[c] += a[c];
+          acc[C + c] += b[c];
+          a[c] = b[c] = 0.f;
+        }
+        rows = 0;
+      }
+    }
+  }, &total);
+  return total;
+}
+
 template <typename T>
 class SyncBnMomentsOp : public OpKernel {
  public:
@@ -88,42 +134,13 @@ class SyncBnMomentsOp : public OpKernel {
     std::vector<float> s(C, 0.f);
     if (n > 0)
       for (int64_t c = 0; c < C; ++c) s[c] = static_cast<float>(in[c * l.inner]);
-    std::vector<double> total;
-    ShardedSum(ctx, l, 2 * C, [&](int64_t o0, int64_t o1, double* acc) {
-      std::vector<float> a(C, 0.f), b(C, 0.f);
-      int64_t rows = 0;
-      for (int64_t o = o0; o < o1; ++o) {
-        const T* base = in + o * C * l.inner;
-        if (l.inner == 1) {  // channels last: vectorize over channels
-          for (int64_t c = 0; c < C; ++c) {
-            const float v = static_cast<float>(base[c]) - s[c];
-            a[c] += v;
-            b[c] += v * v;
-          }
-        } else {
-          for (int64_t c = 0; c < C; ++c) {
-            const T* p = base + c * l.inner;
-            const float sc = s[c];
-            float sa = 0.f, sb = 0.f;
-            for (int64_t i = 0; i < l.inner; ++i) {
-              const float v = static_cast<float>(p[i]) - sc;
-              sa += v;
-              sb += v * v;
-            }
-            a[c] += sa;
-            b[c] += sb;
-          }
-        }
-        if (++rows == kBlock || o + 1 == o1) {
-          for (int64_t c = 0; c < C; ++c) {
-            acc[c] += a[c];
-            acc[C + c] += b[c];
-            a[c] = b[c] = 0.f;
-          }
-          rows = 0;
-        }
-      }
-    }, &total);
+    const float* sp = s.data();
+    const std::vector<double> total =
+        TwoSumsPerChannel(ctx, l, [in, sp](int64_t k, int64_t c, float* u, float* v) {
+          const float d = static_cast<float>(in[k]) - sp[c];
+          *u = d;
+          *v = d * d;
+        });
     auto out_shift = shift->flat<float>();
     auto out_mean = mean->flat<float>();
     auto out_m2 = m2->flat<float>();
@@ -162,43 +179,12 @@ class SyncBnGradSumsOp : public OpKernel {
     const T* g = dy.flat<T>().data();
     const T* in = x.flat<T>().data();
     const float* mu = mean.flat<float>().data();
-    std::vector<double> total;
-    ShardedSum(ctx, l, 2 * C, [&](int64_t o0, int64_t o1, double* acc) {
-      std::vector<float> a(C, 0.f), b(C, 0.f);
-      int64_t rows = 0;
-      for (int64_t o = o0; o < o1; ++o) {
-        const int64_t base = o * C * l.inner;
-        if (l.inner == 1) {  // channels last: vectorize over channels
-          for (int64_t c = 0; c < C; ++c) {
-            const float d = static_cast<float>(g[base + c]);
-            a[c] += d;
-            b[c] += d * (static_cast<float>(in[base + c]) - mu[c]);
-          }
-        } else {
-          for (int64_t c = 0; c < C; ++c) {
-            const T* pg = g + base + c * l.inner;
-            const T* px = in + base + c * l.inner;
-            const float m = mu[c];
-            float sa = 0.f, sb = 0.f;
-            for (int64_t i = 0; i < l.inner; ++i) {
-              const float d = static_cast<float>(pg[i]);
-              sa += d;
-              sb += d * (static_cast<float>(px[i]) - m);
-            }
-            a[c] += sa;
-            b[c] += sb;
-          }
-        }
-        if (++rows == kBlock || o + 1 == o1) {
-          for (int64_t c = 0; c < C; ++c) {
-            acc[c] += a[c];
-            acc[C + c] += b[c];
-            a[c] = b[c] = 0.f;
-          }
-          rows = 0;
-        }
-      }
-    }, &total);
+    const std::vector<double> total =
+        TwoSumsPerChannel(ctx, l, [g, in, mu](int64_t k, int64_t c, float* u, float* v) {
+          const float d = static_cast<float>(g[k]);
+          *u = d;
+          *v = d * (static_cast<float>(in[k]) - mu[c]);
+        });
     auto out_a = sum_dy->flat<float>();
     auto out_b = sum_dy_xmu->flat<float>();
     for (int64_t c = 0; c < C; ++c) {
