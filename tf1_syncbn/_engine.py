@@ -275,8 +275,8 @@ def ghost_normalize(x4, fmt, per_member, groups, backend, key, epsilon):
     the sync group. All groups' moments travel in one packed all-reduce.
 
     Returns:
-      ``(count, mean, var, xhat4)``: per-virtual-batch count (scalar), mean and
-      biased variance (``[groups, C]``, float32) and the normalized view.
+      ``(mean, var, xhat4)``: per-virtual-batch mean and biased variance
+      (``[groups, C]``, float32) and the normalized view.
     """
     channels = x4.shape[_math.channel_axis(fmt)]
     dyn = tf.shape(x4)
@@ -308,5 +308,4 @@ def ghost_normalize(x4, fmt, per_member, groups, backend, key, epsilon):
     inv = tf.math.rsqrt(tf.cast(var64, _math.STAT_DTYPE) + epsilon)
     xhat = (xs - tf.reshape(mean_rel, gshape)) * tf.reshape(inv, gshape)
     xhat4 = tf.reshape(tf.cast(xhat, x4.dtype), dyn)
-    return (tf.cast(packed[0, 0], _math.STAT_DTYPE), tf.cast(mean64, _math.STAT_DTYPE),
-            tf.cast(var64, _math.STAT_DTYPE), xhat4)
+    return tf.cast(mean64, _math.STAT_DTYPE), tf.cast(var64, _math.STAT_DTYPE), xhat4

@@ -392,9 +392,8 @@ def _ghost_train(config, gamma, beta, x4, fmt, backend, key):
     with tf.control_dependencies([check]):
         x4 = tf.identity(x4)
     groups = batch // per_member
-    count, mean, var, xhat4 = _engine.ghost_normalize(x4, fmt, per_member, groups, backend, key,
-                                                      config.epsilon)
-    del count
+    mean, var, xhat4 = _engine.ghost_normalize(x4, fmt, per_member, groups, backend, key,
+                                               config.epsilon)
     bshape = _math.broadcast_shape(fmt, config.channels)
     y4 = xhat4 * tf.cast(tf.reshape(gamma, bshape), xhat4.dtype) + \
         tf.cast(tf.reshape(beta, bshape), xhat4.dtype)

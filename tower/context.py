@@ -122,11 +122,6 @@ class TowerContext(object):
         return self._vs_name
 
     @property
-    def has_own_variables(self):
-        """True when the tower creates its variables instead of reusing tower 0's."""
-        return self._index == 0 or bool(self._vs_name)
-
-    @property
     def ns_name(self):
         """The full name scope of the tower (without trailing ``/``) once entered."""
         return self._ns_name
