@@ -224,8 +224,14 @@ def normalize(x4, gamma, beta, mean, var, epsilon, fmt):
     return y, (r1, r2, r3)
 
 
-def backward_local(dy4, x4, gamma, reserve, epsilon, fmt):
+def backward_local(dy4, x4, gamma, mean, var, reserve, epsilon, fmt):
     """Local part of the backward pass of :func:`normalize` with batch statistics.
+
+    The gradient kernel runs in inference mode, where it reads the statistics
+    from its ``reserve_space_1``/``reserve_space_2`` inputs. They are given
+    ``mean`` and ``var`` directly: the forward kernel's own reserve-space
+    outputs are not the statistics on every CPU build (for float16 inputs
+    they are left uninitialized).
 
     Returns:
       ``(dx_partial, dgamma, dbeta)`` where ``dx_partial = dy * gamma * r``
@@ -233,7 +239,7 @@ def backward_local(dy4, x4, gamma, reserve, epsilon, fmt):
       ``dbeta = sum(dy)`` over the local batch (float32).
     """
     dx, dgamma, dbeta, _, _ = gen_nn_ops.fused_batch_norm_grad_v3(
-        dy4, x4, gamma, reserve[0], reserve[1], reserve[2], epsilon=epsilon,
+        dy4, x4, gamma, mean, var, reserve[2], epsilon=epsilon,
         data_format=fmt, is_training=False, name='backward_local')
     return dx, dgamma, dbeta
 
@@ -331,8 +337,7 @@ class StockKernels(object):
 
     def backward_local(self, dy4, x4, gamma, mean, var, reserve, epsilon, fmt):
         """``(state, dgamma, dbeta)``: the local sums, and what backward_finish needs."""
-        del mean, var
-        return backward_local(dy4, x4, gamma, reserve, epsilon, fmt)
+        return backward_local(dy4, x4, gamma, mean, var, reserve, epsilon, fmt)
 
     def backward_finish(self, state, dy4, x4, gamma, mean, var, dgamma, dbeta, count,
                         epsilon, fmt):
