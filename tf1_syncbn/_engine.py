@@ -152,7 +152,7 @@ def make_sync_key(layer_scope, tower_index, group_size, device, ctx):
 # --------------------------------------------------------------------------
 # The op.
 
-def train_normalize(x4, fmt, gamma, beta, epsilon, backend=None, key=None):
+def train_normalize(x4, fmt, gamma, beta, epsilon, backend=None, key=None, control_inputs=()):
     """Batch norm with batch statistics of the global batch, and its gradient.
 
     Args:
@@ -164,6 +164,9 @@ def train_normalize(x4, fmt, gamma, beta, epsilon, backend=None, key=None):
         statistics of this tower's batch alone.
       key: the :class:`~tf1_syncbn.backends.SyncKey` of this call (with a
         backend).
+      control_inputs: ops that must run before this call's forward all-reduce
+        can start (the run-time check that every tower of the group was
+        built); they become control inputs of the local-moments op.
 
     Returns:
       ``(y4, moments)``: the normalized view and the global :class:`Moments`.
@@ -183,7 +186,8 @@ def train_normalize(x4, fmt, gamma, beta, epsilon, backend=None, key=None):
     @tf.custom_gradient
     def sync_bn(x4, gamma, beta):
         device = key.device if key is not None else x4.device
-        count, shift, mean_s, m2 = kernels.moments(x4, fmt)
+        with tf.control_dependencies(control_inputs):
+            count, shift, mean_s, m2 = kernels.moments(x4, fmt)
         packed = all_reduce(_math.pack_moments(count, shift, mean_s, m2), 'forward')
         n64, mean64, var64 = _math.unpack_moments(packed, channels)
         mean = tf.cast(mean64, _math.STAT_DTYPE)
@@ -245,7 +249,7 @@ Attributes:
 """
 
 
-def differentiable_moments(x4, fmt, weights, backend, key):
+def differentiable_moments(x4, fmt, weights, backend, key, control_inputs=()):
     """Global (optionally weighted) moments built from differentiable ops.
 
     Used by the options that the fused op does not cover (batch weights,
@@ -267,12 +271,13 @@ def differentiable_moments(x4, fmt, weights, backend, key):
                                  tf.cast(n64, _math.STAT_DTYPE))
 
 
-def ghost_normalize(x4, fmt, per_member, groups, backend, key, epsilon):
+def ghost_normalize(x4, fmt, per_member, groups, backend, key, epsilon, control_inputs=()):
     """Normalizes each virtual batch of ``x4`` by its own (global) statistics.
 
     This tower's batch is cut into ``groups`` runs of ``per_member``
     consecutive examples; virtual batch ``k`` is run ``k`` of every member of
     the sync group. All groups' moments travel in one packed all-reduce.
+    ``control_inputs`` run before it (see :func:`train_normalize`).
 
     Returns:
       ``(mean, var, xhat4)``: per-virtual-batch mean and biased variance
@@ -290,7 +295,8 @@ def ghost_normalize(x4, fmt, per_member, groups, backend, key, epsilon):
         xg = tf.reshape(x4, tf.stack([groups, per_member, channels, spatial]))
         axes, first = [1, 3], xg[:, 0, :, 0]
         gshape = tf.stack([groups, 1, channels, 1])
-    shift = tf.stop_gradient(tf.cast(first, _math.STAT_DTYPE))           # [G, C]
+    with tf.control_dependencies(control_inputs):
+        shift = tf.stop_gradient(tf.cast(first, _math.STAT_DTYPE))       # [G, C]
     xs = tf.cast(xg, _math.STAT_DTYPE) - tf.reshape(shift, gshape)
     count = tf.cast(per_member * spatial, _math.STAT_DTYPE)
     mean_s = tf.reduce_mean(xs, axes)                                      # [G, C]
