@@ -3,6 +3,10 @@
 State lives in a ``WeakKeyDictionary`` keyed by the ``tf.Graph`` it belongs
 to, so two graphs never see each other's towers or counters, and the state is
 freed together with its graph. Nothing here is global across graphs.
+
+The branches of ``tf.cond``/``tf.while_loop`` (control flow v2) and traced
+functions are built in ``FuncGraph``s nested in the model's graph; they share
+the state of their outermost graph, since they are part of the same model.
 """
 
 import threading
@@ -42,10 +46,38 @@ class GraphState(object):
         return self.slots[name]
 
 
-def get_graph_state(graph=None):
-    """Returns the :class:`GraphState` of ``graph`` (default: current graph)."""
+def root_graph(graph=None):
+    """The outermost graph of ``graph`` (default: current graph).
+
+    A ``FuncGraph`` (a ``tf.cond`` branch, a loop body, a traced function)
+    belongs to the graph it is nested in.
+    """
     if graph is None:
         graph = tf.compat.v1.get_default_graph()
+    while getattr(graph, 'outer_graph', None) is not None:
+        graph = graph.outer_graph
+    return graph
+
+
+def full_name_scope(graph=None):
+    """The current name scope of ``graph`` (default: current), enclosing graphs included.
+
+    A ``tf.cond`` branch is traced in a ``FuncGraph`` whose own name scope
+    starts empty; the scope it is built in (``tower_1/cond/...``) is that of
+    the enclosing graph.
+    """
+    if graph is None:
+        graph = tf.compat.v1.get_default_graph()
+    parts = []
+    while graph is not None:
+        parts.append(graph.get_name_scope())
+        graph = getattr(graph, 'outer_graph', None)
+    return '/'.join(p for p in reversed(parts) if p)
+
+
+def get_graph_state(graph=None):
+    """Returns the :class:`GraphState` of ``graph``'s outermost graph (default: current)."""
+    graph = root_graph(graph)
     with _LOCK:
         state = _STATES.get(graph)
         if state is None:

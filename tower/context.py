@@ -8,18 +8,15 @@ is the main training tower. :class:`TowerContext` records that, per graph.
 """
 
 import contextlib
-import re
 
 import tensorflow as tf
 from tensorflow.python.ops import variable_scope as _vs
 
-from tower._state import get_graph_state
+from tower import harness
+from tower._state import get_graph_state, root_graph
 
 __all__ = ['TowerContext', 'get_current_tower_context', 'strip_tower_prefix',
            'tower_index_from_name']
-
-_TOWER_NAME = re.compile(r'tower[0-9]+')
-_TOWER_INDEX = re.compile(r'(?:^|/)tower([0-9]+)(?:/|$)')
 
 
 def _check_int(value, what, minimum):
@@ -192,37 +189,51 @@ class TowerContext(object):
 
 
 def get_current_tower_context(graph=None):
-    """Returns the innermost :class:`TowerContext` of ``graph``, or None.
+    """Returns the tower being built in ``graph``, or None.
+
+    That is the innermost :class:`TowerContext` of ``graph`` or, when there is
+    none and ``graph`` is the current default graph, tensorpack's active tower
+    context (``TrainTowerContext`` / ``PredictTowerContext``), seen through a
+    read-only :class:`tower.harness.HarnessTowerContext` with the same
+    properties (tensorpack is never imported for this).
 
     Args:
       graph: a ``tf.Graph``; defaults to the current default graph.
 
     Code built outside any tower gets None and should behave as a single tower
     (index 0, total 1); :func:`tower_index_from_name` helps code that builds
-    towers with plain ``tf.name_scope('tower<i>')`` instead.
+    towers with plain name scopes (``tower_<i>``, ``clone_<i>``, ...) instead.
     """
     stack = get_graph_state(graph).tower_stack
-    return stack[-1] if stack else None
+    if stack:
+        return stack[-1]
+    if graph is None or root_graph(graph) is root_graph():
+        return harness.tensorpack_tower_context()
+    return None
 
 
 def strip_tower_prefix(name, context=None):
     """Removes tower name-scope components from a scope or op name.
 
-    Every whole path component of the form ``tower<digits>`` is removed, and so
-    is a leading ``ns_name`` or ``vs_name`` of ``context`` (default: the current
-    tower context), which covers custom tower names and replicated mode. Components that only contain such text, such as
-    ``xtower1`` or ``mytower3``, are kept. The result is the same in every
-    tower, so it can name things shared across towers.
+    Every whole path component that names a tower is removed: ``tower<i>``,
+    ``tower_<i>``, ``clone_<i>`` and the patterns added with
+    :func:`tower.register_tower_pattern`. So is a leading ``ns_name`` or
+    ``vs_name`` of ``context`` (default: the current tower context, including
+    tensorpack's), which covers custom tower names and replicated mode.
+    Components that only contain such text, such as ``xtower1`` or
+    ``mytower3``, are kept. The result is the same in every tower, so it can
+    name things shared across towers.
 
     Examples::
 
         strip_tower_prefix('tower0/conv1/BatchNorm')  ->  'conv1/BatchNorm'
+        strip_tower_prefix('clone_1/conv1/BatchNorm') ->  'conv1/BatchNorm'
         strip_tower_prefix('tower12/')                ->  ''
         strip_tower_prefix('xtower1/conv')            ->  'xtower1/conv'
 
     Args:
       name: a name such as ``tf.compat.v1.get_variable_scope().name``.
-      context: the :class:`TowerContext` whose ``vs_name`` is also removed.
+      context: the tower context whose ``ns_name``/``vs_name`` is also removed.
 
     Returns:
       The name without tower components and without a trailing ``/``.
@@ -236,15 +247,22 @@ def strip_tower_prefix(name, context=None):
         for prefix in (context.ns_name, context.vs_name):
             if prefix and (name == prefix or name.startswith(prefix + '/')):
                 name = name[len(prefix):].lstrip('/')
-    kept = [p for p in name.split('/') if p and not _TOWER_NAME.fullmatch(p)]
+    kept = [p for p in name.split('/') if p and harness.tower_index_of_component(p) is None]
     return '/'.join(kept)
 
 
 def tower_index_from_name(name):
-    """Returns the index ``i`` of the first ``tower<i>`` component of ``name``, or None.
+    """The index of the first tower component of the name scope ``name``, or None.
 
-    Used for towers built with plain ``tf.name_scope('tower<i>')`` (no
-    :class:`TowerContext`), as in the classic multi-GPU examples.
+    Used for towers built with plain name scopes and no tower context, as in
+    the classic multi-GPU scripts (``tower_<i>``), tf-slim's ``model_deploy``
+    (``clone_<i>``) or ``tower<i>``; see :mod:`tower.harness` for the
+    patterns and how to add one.
     """
-    match = _TOWER_INDEX.search(name)
-    return int(match.group(1)) if match else None
+    if not isinstance(name, str):
+        raise TypeError('tower_index_from_name: name must be a string, got %r.' % (name,))
+    for part in name.split('/'):
+        index = harness.tower_index_of_component(part)
+        if index is not None:
+            return index
+    return None
