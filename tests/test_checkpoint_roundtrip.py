@@ -54,7 +54,9 @@ def _train_and_save(path, towers, rng):
 
         tower_grads = call_for_each_tower(tower_fn, ['/cpu:%d' % i for i in range(towers)])
         updates = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
-        assert updates and all(op.name.startswith('tower0/') for op in updates)
+        # Assignments on tower 0; the other towers hold triggers of the same ones.
+        assert updates and all(op.name.startswith('tower0/') or op.name.endswith(
+            '/update_moving_averages') for op in updates)
         with tf.control_dependencies(updates):
             train_op = optimizer.apply_gradients(average_gradients(tower_grads))
         saver = tf1.train.Saver()

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import tensorflow as tf
 
 from tf1_syncbn import selftest
 
@@ -65,6 +66,16 @@ def test_main_passes_and_skips_nccl_without_gpu(capsys):
     assert lines['nccl'].rstrip().endswith('SKIP')
     assert 'NCCL needs one GPU per tower' in out
     assert 'PASS: collective, auto (skipped: nccl)' in out
+
+
+@pytest.mark.skipif(bool(tf.config.list_physical_devices('GPU')),
+                    reason='checks what happens on a machine without GPUs')
+def test_main_fails_when_it_checked_nothing(capsys):
+    # --backend nccl without GPUs checks nothing: that must not look like a pass.
+    code = selftest.main(['--towers', '2', '--backend', 'nccl', '--steps', '1'])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert 'SKIPPED: no requested backend can run here; nothing was checked.' in out
 
 
 def test_nccl_on_cpu_towers_is_skipped():

@@ -134,9 +134,14 @@ def _check_structure(graph, name, scope, towers):
     moving_means = [v for v in variables if v.op.name.endswith('/moving_mean')]
     assert len(moving_means) == num_bn
     assert not [v for v in variables if '/tower' in v.op.name], 'towers must share variables'
-    updates = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, scope + '/')
+    # The main tower builds the assignments; every other tower holds one
+    # trigger of them per layer (whichever tower's UPDATE_OPS a harness keeps).
+    updates = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, scope + '/tower0/')
     assert len(updates) == 2 * num_bn
-    assert all(op.name.startswith(scope + '/tower0/') for op in updates)
+    assert all(not isinstance(u, tf.Operation) for u in updates)  # the assignments
+    for i in range(1, towers):
+        triggers = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, '%s/tower%d/' % (scope, i))
+        assert len(triggers) == num_bn and all(op.type == 'NoOp' for op in triggers)
     collectives = [op for op in graph.get_operations()
                    if op.name.startswith(scope + '/') and 'Collective' in op.type]
     devices = {tf.DeviceSpec.from_string(op.device).device_index for op in collectives}

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from bn_reference import bn_backward, bn_forward, build_towers, count_ops, split_batches, var
 from conftest import make_session
-from tf1_syncbn import CollectiveBackend, NcclBackend, SyncBackend, sync_batch_norm
+from tf1_syncbn import CollectiveBackend, NcclBackend, SyncBackend, backends, sync_batch_norm
 from tf1_syncbn.backends import stable_hash
 from tower import TowerContext, call_for_each_tower
 
@@ -60,7 +60,7 @@ def test_single_tower_and_auto_build_no_collective(graph):
     with TowerContext('pred', is_training=False):
         sync_batch_norm(tf1.placeholder(tf.float32, [None, 3]), scope='other',
                         sync_statistics='collective')
-    sync_batch_norm(tf1.placeholder(tf.float32, [None, 3]), scope='outside',
+    sync_batch_norm(tf1.placeholder(tf.float32, [None, 3]), scope='outside', num_dev=1,
                     sync_statistics='collective')
     assert not _collectives(graph)
 
@@ -120,8 +120,9 @@ def test_towers_without_context_use_num_dev_and_name_scopes(graph, rng):
                 ys.append(sync_batch_norm(x, num_dev=3, decay=0.0, scope='bn',
                                           sync_statistics=CollectiveBackend(60)))
                 xs.append(x)
-    # Moving averages only on tower 0.
-    assert len(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)) == 2
+    # Moving averages assigned on tower 0; towers 1 and 2 hold a trigger each.
+    assert len(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, 'tower0/')) == 2
+    assert len(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)) == 4
     data = rng.randn(9, 2).astype(np.float32)
     with make_session(graph, 3) as sess:
         sess.run(tf1.global_variables_initializer())
@@ -167,7 +168,13 @@ def test_keys_do_not_depend_on_build_order(graph):
 
 # --- NCCL: graph structure only (no GPU kernel here) ------------------------
 
-def test_nccl_graph_structure_on_gpu_devices(graph):
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """Makes the layers believe GPUs are present, to build NCCL graphs on this CPU machine."""
+    monkeypatch.setattr(backends, 'gpus_present', lambda: True)
+
+
+def test_nccl_graph_structure_on_gpu_devices(graph, fake_gpus):
     xs = []
 
     def tower():
@@ -186,11 +193,23 @@ def test_nccl_graph_structure_on_gpu_devices(graph):
     assert all(op.get_attr('num_devices') == 2 for op in nccl)
 
 
-def test_auto_picks_nccl_on_gpu_towers(graph):
+def test_auto_picks_nccl_on_gpu_towers(graph, fake_gpus):
     call_for_each_tower(lambda: sync_batch_norm(tf1.placeholder(tf.float32, [None, 3])),
                         ['/gpu:0', '/gpu:1'])
     assert count_ops(graph, 'NcclAllReduce') == 2
     assert not _collectives(graph)
+
+
+@pytest.mark.skipif(bool(tf.config.list_physical_devices('GPU')),
+                    reason='checks the behaviour on a machine without GPUs')
+@pytest.mark.parametrize('spec', ['auto', 'collective', 'nccl'])
+def test_gpu_towers_without_gpus_fail_at_build(graph, spec):
+    # Soft placement would put every tower on CPU:0, where the all-reduce waits
+    # for its timeout (and NCCL has no kernel at all): a build error instead.
+    with pytest.raises(ValueError, match='this machine has no GPU'):
+        call_for_each_tower(lambda: sync_batch_norm(tf1.placeholder(tf.float32, [None, 3]),
+                                                    sync_statistics=spec),
+                            ['/gpu:0', '/gpu:1'])
 
 
 def test_nccl_on_cpu_is_a_build_error(graph):
@@ -264,7 +283,7 @@ def test_custom_backend_object(graph, rng):
             return tensor * 2
 
     x = tf1.placeholder(tf.float32, [None, 3])
-    y = sync_batch_norm(x, epsilon=EPS, sync_statistics=Doubling())
+    y = sync_batch_norm(x, epsilon=EPS, num_dev=1, sync_statistics=Doubling())
     data = rng.randn(5, 3).astype(np.float32)
     with make_session(graph, 1) as sess:
         sess.run(tf1.global_variables_initializer())

@@ -1,5 +1,7 @@
 """Bad configuration fails at graph build with a clear error; mismatches never hang."""
 
+import time
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -85,7 +87,7 @@ def test_towers_that_build_different_layers_fail_at_build(graph):
     with pytest.raises(ValueError) as info:
         call_for_each_tower(model, ['/cpu:0', '/cpu:1', '/cpu:2'])
     message = str(info.value)
-    assert 'only_in_tower0' in message and 'missing in towers 1, 2' in message
+    assert 'only_in_tower0' in message and 'never by towers 1, 2' in message
     assert 'shared (' not in message
 
 
@@ -98,7 +100,7 @@ def test_a_tower_calling_a_layer_more_often_fails_at_build(graph):
                                 sync_statistics='collective')
         return x
 
-    with pytest.raises(ValueError, match=r'bn.*missing in tower 0'):
+    with pytest.raises(ValueError, match=r'bn.*never by tower 0'):
         call_for_each_tower(model, ['/cpu:0', '/cpu:1'])
 
 
@@ -127,8 +129,8 @@ def test_mixed_backends_fail_at_build(graph):
                 sync_batch_norm(ph([None, 3]), sync_statistics=backend)
 
 
-def test_a_tower_that_skips_a_layer_times_out_at_run_time(graph):
-    """Without TowerContext the builder cannot see the mismatch: the timeout does."""
+def test_a_tower_that_never_builds_a_layer_fails_at_the_first_run(graph):
+    """Without TowerContext the builder cannot see the mismatch: the first run does."""
     xs, ys = [], []
     for i in range(2):
         with tf.device('/cpu:%d' % i), tf.name_scope('tower%d' % i):
@@ -136,9 +138,29 @@ def test_a_tower_that_skips_a_layer_times_out_at_run_time(graph):
             xs.append(x)
             if i == 0:  # tower 1 forgets the layer
                 ys.append(sync_batch_norm(x, num_dev=2, scope='bn',
-                                          sync_statistics=CollectiveBackend(timeout=1)))
+                                          sync_statistics=CollectiveBackend(timeout=60)))
             else:
                 ys.append(x)
+    with make_session(graph, 2) as sess:
+        sess.run(tf1.global_variables_initializer())
+        start = time.time()
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=r'bn \(a group of 2 towers: built by tower 0, never by tower 1\)'):
+            sess.run(ys, {x: np.ones((2, 3)) for x in xs})
+        assert time.time() - start < 30  # not the collective timeout
+
+
+def test_a_tower_that_skips_a_layer_at_run_time_times_out(graph):
+    """A layer built in every tower but skipped by a tf.cond in one: only the timeout sees it."""
+    xs, ys = [], []
+    for i in range(2):
+        with tf.device('/cpu:%d' % i), tf.name_scope('tower%d' % i):
+            x = ph([None, 3])
+            xs.append(x)
+            layer = lambda: sync_batch_norm(x, num_dev=2, scope='bn', reuse=tf1.AUTO_REUSE,
+                                            updates_collections=None,
+                                            sync_statistics=CollectiveBackend(timeout=1))
+            ys.append(tf.cond(tf.constant(i == 0), layer, lambda: x))
     with make_session(graph, 2) as sess:
         sess.run(tf1.global_variables_initializer())
         with pytest.raises(tf.errors.DeadlineExceededError):
@@ -149,7 +171,7 @@ def test_update_ops_run_alone_time_out_instead_of_hanging(graph):
     net = build_towers(lambda x: sync_batch_norm(
         x, sync_statistics=CollectiveBackend(timeout=1)), 2, (None, 3))
     updates = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
-    assert len(updates) == 2
+    assert len(updates) == 3  # 2 assignments on tower 0, their trigger on tower 1
     feed = {x: np.ones((2, 3)) for x in net['xs']}
     with make_session(graph, 2) as sess:
         sess.run(tf1.global_variables_initializer())

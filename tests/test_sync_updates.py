@@ -27,20 +27,25 @@ def test_slim_variable_names_and_collections(graph):
     assert len(tf1.get_collection(tf1.GraphKeys.MODEL_VARIABLES)) == 8
 
 
-def test_update_ops_only_on_the_main_tower_per_scope(graph):
+def test_assignments_on_the_main_tower_and_one_trigger_per_layer_elsewhere(graph):
     build_towers(_model, 4, (None, 3))
-    updates = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
-    assert len(updates) == 4
+    main = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, 'tower0/')
+    assert len(main) == 4 and all(op.op.type != 'NoOp' for op in main)
     for scope in ('block1/bn', 'block2/bn'):
-        in_scope = [op for op in updates if op.name.startswith('tower0/' + scope + '/')]
-        assert len(in_scope) == 2, [op.name for op in updates]
-    assert not [op for op in updates if not op.name.startswith('tower0/')]
+        in_scope = [op for op in main if op.name.startswith('tower0/' + scope + '/')]
+        assert len(in_scope) == 2, [op.name for op in main]
+        for i in (1, 2, 3):
+            triggers = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, 'tower%d/%s/' % (i, scope))
+            assert [op.type for op in triggers] == ['NoOp']
+            # A trigger runs the main tower's assignments of the same layer.
+            assert set(triggers[0].control_inputs) == {op.op for op in in_scope}
 
 
 def test_custom_updates_collection(graph):
     build_towers(lambda x: _model(x, updates_collections=['my_updates']), 2, (None, 3))
     assert not tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
-    assert len(tf1.get_collection('my_updates')) == 4
+    assert len(tf1.get_collection('my_updates', 'tower0/')) == 4
+    assert len(tf1.get_collection('my_updates', 'tower1/')) == 2
 
 
 @pytest.mark.parametrize('num_towers', [1, 3])

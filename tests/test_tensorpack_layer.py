@@ -126,7 +126,8 @@ def _updates(graph, ema_update, sync):
 
 
 @pytest.mark.parametrize('ema_update,sync,in_collection,updated', [
-    ('default', False, 2, False), ('collection', False, 2, False),
+    # Unsynchronized on 2 towers: 2 assignments on tower 0 + 1 trigger on tower 1.
+    ('default', False, 3, False), ('collection', False, 3, False),
     ('internal', False, 0, True), ('skip', False, 0, False),
     ('default', True, 0, True), ('collection', True, 0, True), ('skip', True, 0, False)])
 def test_ema_update_modes(graph, rng, ema_update, sync, in_collection, updated):

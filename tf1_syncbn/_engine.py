@@ -33,32 +33,70 @@ Attributes:
 
 
 # --------------------------------------------------------------------------
-# Per-graph registry of synchronized calls.
+# Per-graph registry of layer calls.
 
 class _Member(collections.namedtuple('_Member', ['device', 'backend', 'layer'])):
     pass
 
 
 class SyncRegistry(object):
-    """Which towers built which synchronized layer calls, in one graph."""
+    """What the towers of one graph built: synchronized calls and shared updates.
+
+    * Every layer call in a tower gets a name that is the same in every tower
+      (:meth:`call_name`): its scope without tower prefixes, plus a per-tower
+      call index.
+    * Synchronized calls are registered per tower (:meth:`register`), which
+      catches conflicts at graph build, and checked for missing towers when a
+      ``TowerContext`` group has been built (:meth:`on_tower_exit`) and again
+      at the first run (:meth:`guard`), since a harness without tower
+      contexts never says when its last tower is built.
+    * The moving-average updates of a call are built once, by the main
+      training tower; every other tower puts a trigger of those same updates
+      into its own update collection (:meth:`share_updates`,
+      :meth:`trigger_updates`), so a harness that keeps the first, the last or
+      every tower's ``UPDATE_OPS`` runs them exactly once per step.
+    """
 
     def __init__(self):
-        self.call_counts = collections.defaultdict(int)   # (group, tower, name) -> calls
+        self.call_counts = collections.defaultdict(int)   # (towers, tower, base) -> calls
         self.members = {}          # key name -> {tower index: _Member}
         self.totals = {}           # key name -> number of towers expected
         self.instance_names = {}   # stable hash -> key name
         self.exited = collections.defaultdict(set)   # total -> tower indices exited
         self.pending = collections.defaultdict(set)  # total -> key names to check
+        self.updates = {}          # (towers, call name) -> the main tower's update ops
+        self.waiting = collections.defaultdict(list)  # same key -> triggers built before
+        self.guards = {}           # (graph, host device) -> run-time check op
+        self._version = 0          # bumped on every registration
+        self._checked_version = -1
 
-    def next_call_index(self, group, tower_index, base_name):
-        """The per-tower call index of ``base_name`` (0 for the first call)."""
-        slot = (group, tower_index, base_name)
+    def call_name(self, towers, tower_index, base_name):
+        """The name of this call of ``base_name``, the same in every tower.
+
+        Args:
+          towers: the number of towers of the group (None when unknown).
+          tower_index: this tower's index.
+          base_name: the layer's scope with tower prefixes stripped.
+
+        Returns:
+          ``'<base_name>:<k>'`` for the ``k``-th call of ``base_name`` in this
+          tower (0 for the first).
+        """
+        slot = (towers, tower_index, base_name)
         index = self.call_counts[slot]
         self.call_counts[slot] += 1
-        return index
+        return '%s:%d' % (base_name, index)
 
     def register(self, key, tower_index, total, backend, track):
-        """Records that ``tower_index`` builds ``key``; raises on conflicts."""
+        """Records that ``tower_index`` builds ``key``; raises on conflicts.
+
+        Args:
+          key: the call's :class:`SyncKey`.
+          tower_index: this tower's index.
+          total: the number of towers of this graph in the group.
+          backend: the call's backend.
+          track: also check the group when its ``TowerContext`` towers exit.
+        """
         h = stable_hash(key.name)
         other = self.instance_names.setdefault(h, key.name)
         if other != key.name:
@@ -84,33 +122,122 @@ class SyncRegistry(object):
                     'its own device.' % (key.layer, index, tower_index, key.device))
         members[tower_index] = _Member(key.device, backend, key.layer)
         self.totals[key.name] = total
+        self._version += 1
         if track:
             self.pending[total].add(key.name)
 
+    def missing_towers(self, names=None):
+        """Descriptions of the synchronized calls that some tower never built.
+
+        Args:
+          names: the key names to check (default: every registered one).
+
+        Returns:
+          A list of strings, empty when every group is complete.
+        """
+        problems = []
+        for name in sorted(self.members if names is None else names):
+            members, total = self.members[name], self.totals[name]
+            missing = sorted(set(range(total)) - set(members))
+            if missing:
+                built = sorted(members)
+                problems.append('%s (a group of %d towers: built by tower%s %s, never by '
+                                'tower%s %s)' % (
+                                    members[built[0]].layer, total,
+                                    's' if len(built) > 1 else '', ', '.join(map(str, built)),
+                                    's' if len(missing) > 1 else '',
+                                    ', '.join(map(str, missing))))
+        return problems
+
     def on_tower_exit(self, ctx):
-        """Once every tower of a group has been built, checks they match."""
+        """Once every tower of a ``TowerContext`` group has been built, checks they match."""
         exited = self.exited[ctx.total]
         exited.add(ctx.index)
         if len(exited) < ctx.total:
             return
         exited.clear()
         pending, self.pending[ctx.total] = self.pending[ctx.total], set()
-        problems = []
-        for name in sorted(pending):
-            members = self.members[name]
-            missing = sorted(set(range(ctx.total)) - set(members))
-            if missing:
-                built = sorted(members)
-                problems.append('%s (built by tower%s %s, missing in tower%s %s)' % (
-                    members[built[0]].layer, 's' if len(built) > 1 else '',
-                    ', '.join(map(str, built)), 's' if len(missing) > 1 else '',
-                    ', '.join(map(str, missing))))
+        problems = self.missing_towers(pending)
         if problems:
             raise ValueError(
                 'Towers built different synchronized batch-norm layers; the all-reduce of '
                 'these layers would wait forever: %s. Every tower of a sync group must '
                 'build the same synchronized layers the same number of times.'
                 % '; '.join(problems))
+
+    def guard(self, device):
+        """An op that fails the first run if some tower of a group was never built.
+
+        The graph builder cannot know when a harness has built its last tower
+        (``TowerContext(total=4)`` with only two towers built, or ``num_dev=4``
+        with two name-scope towers): the all-reduce would wait for the missing
+        members until the collective timeout. This op runs before every
+        forward all-reduce of the towers on ``device``'s host; it checks the
+        registry (a Python check that is cached after it passes) and raises
+        ``InvalidArgumentError`` naming the layers and towers instead.
+
+        Args:
+          device: the tower's canonical device ('' when unplaced).
+
+        Returns:
+          A list with one op, for ``control_inputs``.
+        """
+        graph = tf.compat.v1.get_default_graph()   # a tf.cond branch has its own
+        slot = (graph, _host_cpu(device))
+        op = self.guards.get(slot)
+        if op is None:
+            with tf.device(slot[1]), graph.name_scope(None), tf.control_dependencies(None):
+                op = tf.numpy_function(self._check_at_run_time, [], [],
+                                       name='tf1_syncbn_check_towers')
+            self.guards[slot] = op
+        return [op]
+
+    def _check_at_run_time(self):
+        if self._checked_version == self._version:
+            return
+        problems = self.missing_towers()
+        if problems:
+            raise ValueError(
+                'tf1_syncbn: some towers of a synchronized group were never built, so the '
+                'all-reduce of these layers would wait for them until the collective timeout: '
+                '%s. Build every tower of the group, or give the tower context total (or '
+                'num_dev) the number of towers you build.' % '; '.join(problems))
+        self._checked_version = self._version
+
+    def share_updates(self, towers, call_name, updates):
+        """Records the main tower's update ops of a call; completes early triggers."""
+        key = (towers, call_name)
+        self.updates[key] = list(updates)
+        for trigger in self.waiting.pop(key, []):
+            trigger._add_control_inputs([_as_op(u) for u in updates])  # noqa: SLF001
+
+    def trigger_updates(self, towers, call_name):
+        """An op, in the current name scope, that runs the main tower's updates of a call.
+
+        TensorFlow runs an op once per step however many times it is fetched,
+        so fetching the updates and any number of triggers updates the moving
+        statistics exactly once. A trigger built before the main tower gets its
+        control inputs when the main tower builds the updates.
+        """
+        key = (towers, call_name)
+        updates = self.updates.get(key)
+        if updates is not None:
+            return tf.group(*updates, name='update_moving_averages')
+        trigger = tf.no_op(name='update_moving_averages')
+        self.waiting[key].append(trigger)
+        return trigger
+
+
+def _as_op(value):
+    return value if isinstance(value, tf.Operation) else value.op
+
+
+def _host_cpu(device):
+    """The CPU of the host (job, task) that ``device`` is on ('' when unplaced)."""
+    if not device:
+        return ''
+    spec = tf.DeviceSpec.from_string(device)
+    return spec.replace(device_type='CPU', device_index=0).to_string()
 
 
 def get_registry(graph=None):
@@ -132,20 +259,21 @@ def canonical_device(device):
     return tf.DeviceSpec.from_string(device).to_string()
 
 
-def make_sync_key(layer_scope, tower_index, group_size, device, ctx):
+def base_name(layer_scope, ctx):
+    """The layer's scope without tower prefixes: the same in every tower."""
+    return strip_tower_prefix(layer_scope, ctx) or layer_scope
+
+
+def make_sync_key(call_name, layer_scope, group_size, device):
     """Builds the :class:`SyncKey` of one call of a synchronized layer.
 
     Args:
+      call_name: the call's name from :meth:`SyncRegistry.call_name`.
       layer_scope: the layer's full variable/name scope in this tower.
-      tower_index: this tower's index.
       group_size: the number of all-reduce members.
       device: the device the layer's ops are placed on.
-      ctx: the current TowerContext or None.
     """
-    base = strip_tower_prefix(layer_scope, ctx) or layer_scope
-    registry = get_registry()
-    call = registry.next_call_index(group_size, tower_index, base)
-    return SyncKey(name='%s:%d' % (base, call), layer=layer_scope, group_size=group_size,
+    return SyncKey(name=call_name, layer=layer_scope, group_size=group_size,
                    device=canonical_device(device))
 
 

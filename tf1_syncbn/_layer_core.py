@@ -9,12 +9,14 @@ renorm, adjustment and the moving-average updates. The math lives in
 
 import collections
 import numbers
+import warnings
 
 import tensorflow as tf
 from tensorflow.python.training import moving_averages
 
 from tf1_syncbn import _engine, _math, backends
-from tower import get_current_tower_context, tower_index_from_name
+from tower import TowerContext, get_current_tower_context, tower_index_from_name
+from tower._state import full_name_scope, get_graph_state
 
 tf1 = tf.compat.v1
 
@@ -233,55 +235,154 @@ class Config(object):
 # --------------------------------------------------------------------------
 # Towers and backends.
 
-class TowerInfo(collections.namedtuple('TowerInfo', ['ctx', 'index', 'towers'])):
-    """Where a layer call is built: its tower context (or None), index and count."""
+class TowerInfo(collections.namedtuple('TowerInfo', ['ctx', 'index', 'towers', 'main',
+                                                     'call'])):
+    """Where a layer call is built.
+
+    Attributes:
+      ctx: the tower context (this library's, or tensorpack's seen through
+        :class:`tower.harness.HarnessTowerContext`), or None.
+      index: the tower's index (0 outside any tower).
+      towers: the number of towers of this graph in the group: the context's
+        ``total``, or ``num_dev`` for name-scope towers, 1 outside any tower,
+        and None when the name scope says "tower" but nothing says how many.
+      main: whether this call builds the moving-average updates: the main
+        training tower (tower 0).
+      call: the call's name, the same in every tower (see
+        :meth:`_engine.SyncRegistry.call_name`).
+    """
 
 
-def tower_info(config):
-    """Resolves this call's tower index and the number of towers in its group."""
+def check_graph_mode(layer):
+    """Raises ``RuntimeError`` when called eagerly: the layers build TF1 graphs."""
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            '%s needs graph mode (TF1-style graphs, sessions and UPDATE_OPS), but eager '
+            'execution is on. Call tf.compat.v1.disable_eager_execution() at the start of '
+            'the program, or build the model inside `with tf.Graph().as_default():`.' % layer)
+
+
+def tower_info(config, prediction_towers_update=False):
+    """Finds this call's tower, its index and the number of towers in its group.
+
+    In order: a tower context (:class:`tower.TowerContext` or tensorpack's);
+    else a tower name scope (``tower<i>``, ``tower_<i>``, ``clone_<i>`` or a
+    registered pattern), with ``num_dev`` giving the number of towers; else a
+    single tower.
+
+    Args:
+      config: the layer's validated :class:`Config`.
+      prediction_towers_update: whether a call with batch statistics in a
+        prediction tower updates the moving statistics (tensorpack's layers
+        do; slim's run in training towers only).
+
+    Raises:
+      ValueError: when ``num_dev`` disagrees with the tower context or the
+        name scope, or ``num_dev > 1`` for a training call outside any tower.
+    """
     ctx = get_current_tower_context()
+    num_dev = config.num_dev
     if ctx is not None:
-        return TowerInfo(ctx, ctx.index, ctx.total)
-    if config.num_dev is None or config.num_dev == 1:
-        return TowerInfo(None, 0, 1)
-    scope = tf1.get_default_graph().get_name_scope()
-    index = tower_index_from_name(scope)
-    if config.is_training is False:
-        # Inference needs no tower index: nothing is synchronized or updated.
-        return TowerInfo(None, index or 0, config.num_dev)
-    if index is None:
-        raise config.error(
-            'num_dev=%d but the layer is built outside any tower: build each tower in '
-            'tower.TowerContext (or call_for_each_tower), or at least under a name scope '
-            "'tower<i>' so that the tower index is known." % config.num_dev)
-    if index >= config.num_dev:
-        raise config.error('the name scope %r says tower %d but num_dev=%d.'
-                           % (scope, index, config.num_dev))
-    return TowerInfo(None, index, config.num_dev)
+        if num_dev is not None and num_dev != ctx.total:
+            raise config.error('num_dev=%d disagrees with the %d towers of the tower context '
+                               '%r; drop num_dev or fix it.' % (num_dev, ctx.total, ctx))
+        index, towers = ctx.index, ctx.total
+        main = ctx.is_main_training_tower or (prediction_towers_update and not ctx.is_training)
+    else:
+        scope = full_name_scope()
+        index = tower_index_from_name(scope)
+        if num_dev is None:
+            towers = 1 if index is None else None
+        else:
+            towers = num_dev
+            if index is None and num_dev > 1 and config.is_training is not False:
+                raise config.error(
+                    'num_dev=%d but the layer is built outside any tower (name scope %r): '
+                    'build each tower in tower.TowerContext (or call_for_each_tower), or under '
+                    'a name scope tower<i>, tower_<i> or clone_<i> (or a pattern registered with '
+                    'tower.register_tower_pattern), so that the tower index is known.'
+                    % (num_dev, scope))
+            if index is not None and index >= num_dev:
+                raise config.error('the name scope %r says tower %d but num_dev=%d.'
+                                   % (scope, index, num_dev))
+        index = index or 0
+        main = index == 0
+    base = _engine.base_name(tf1.get_variable_scope().name, ctx)
+    call = _engine.get_registry().call_name(towers, index, base)
+    return TowerInfo(ctx, index, towers, main, call)
+
+
+def _is_auto(spec):
+    return isinstance(spec, str) and spec.lower() == 'auto'
 
 
 def resolve_sync(config, info):
-    """Returns ``(backend, key)`` for a training call, or ``(None, None)`` for local stats."""
+    """Chooses how a training call gets its statistics.
+
+    Returns:
+      ``(backend, key, control_inputs)`` for a synchronized call, where
+      ``control_inputs`` is the run-time check that every tower of the group
+      was built; ``(None, None, ())`` for this tower's statistics alone.
+
+    Raises:
+      ValueError: when ``sync_statistics`` names a backend but the number of
+        towers is unknown (no tower context and no ``num_dev``): the layer
+        never falls back to per-tower statistics silently.
+    """
+    spec = config.sync_statistics
+    if spec is None:
+        return None, None, ()
+    scope = full_name_scope()
+    if info.towers is None:
+        # A name scope says "tower <i>", but nothing says how many towers.
+        if not _is_auto(spec):
+            raise _unknown_group_error(config, spec, scope)
+        _warn_once(config, 'its name scope %r looks like tower %d of a multi-tower graph, '
+                   'but the number of towers is unknown, so it normalizes with this '
+                   "tower's statistics alone (no synchronization). Pass num_dev=<number of "
+                   'towers> to synchronize, build the towers in tower.TowerContext, or pass '
+                   'sync_statistics=None to keep per-tower statistics and silence this '
+                   'warning.' % (scope, info.index))
+        return None, None, ()
     device = _engine.canonical_device(_current_device())
-    backend = backends.resolve(config.sync_statistics, config.layer, device, info.towers)
+    backend = backends.resolve(spec, config.layer, device, info.towers)
     if backend is None:
-        if config.num_dev is not None and info.ctx is not None and config.num_dev != info.towers:
-            raise config.error('num_dev=%d disagrees with the %d towers of the tower context; '
-                               'drop num_dev or fix it.' % (config.num_dev, info.towers))
-        return None, None
+        return None, None, ()
+    if info.ctx is None and config.num_dev is None and not backend.implicit_single_tower:
+        raise _unknown_group_error(config, spec, scope)
     group_size = backend.group_size(info.towers)
-    if info.ctx is not None and config.num_dev is not None and config.num_dev != group_size:
-        raise config.error(
-            'num_dev=%d disagrees with the sync group of %d member(s) (%d tower(s) x %r); '
-            'drop num_dev or fix it.' % (config.num_dev, group_size, info.towers, backend))
     if group_size == 1:
-        return None, None
-    scope = tf1.get_variable_scope().name
-    key = _engine.make_sync_key(scope, info.index, group_size, device, info.ctx)
+        return None, None, ()
+    key = _engine.make_sync_key(info.call, tf1.get_variable_scope().name, group_size, device)
     backend.check(key)
-    _engine.get_registry().register(key, info.index, info.towers, backend,
-                                    track=info.ctx is not None)
-    return backend, key
+    registry = _engine.get_registry()
+    registry.register(key, info.index, info.towers, backend,
+                      track=isinstance(info.ctx, TowerContext))
+    return backend, key, registry.guard(key.device)
+
+
+def _unknown_group_error(config, spec, scope):
+    return config.error(
+        'sync_statistics=%r asks for synchronized statistics, but the layer cannot tell how '
+        'many towers synchronize: it is built outside any tower context (name scope %r) and '
+        'num_dev is not given. Build the towers in tower.TowerContext / '
+        "tower.call_for_each_tower (or tensorpack's trainers), or pass num_dev=<number of "
+        'towers in this graph> (num_dev=1 for one tower) and build tower i under a name scope '
+        'tower<i>, tower_<i> or clone_<i> (or a pattern added with '
+        'tower.register_tower_pattern).' % (spec, scope))
+
+
+class SyncBNWarning(UserWarning):
+    """A synchronized layer that cannot synchronize (see the message for the fix)."""
+
+
+def _warn_once(config, message):
+    """Warns once per graph and layer."""
+    warned = get_graph_state().slot('tf1_syncbn.warned', set)
+    if config.layer in warned:
+        return
+    warned.add(config.layer)
+    warnings.warn('%s: %s' % (config.layer, message), SyncBNWarning, stacklevel=4)
 
 
 def _current_device():
@@ -320,23 +421,25 @@ def _train_stats_and_output(config, params, info, x4, fmt):
     zeros = tf.zeros([channels], tf.float32)
     gamma = _vector(params.gamma, ones)
     beta = _vector(params.beta, zeros)
-    backend, key = resolve_sync(config, info)
+    backend, key, guard = resolve_sync(config, info)
     if not config.needs_slow_path:
         if backend is None:
             y4, mean, var_unbiased = _math.fused_train(x4, gamma, beta, config.epsilon, fmt)
             return (_restore(y4, config.inputs), tf.stop_gradient(mean),
                     tf.stop_gradient(var_unbiased), None)
-        y4, moments = _engine.train_normalize(x4, fmt, gamma, beta, config.epsilon, backend, key)
+        y4, moments = _engine.train_normalize(x4, fmt, gamma, beta, config.epsilon, backend, key,
+                                              control_inputs=guard)
         return (_restore(y4, config.inputs), moments.mean,
                 _math.bessel_correct(moments.variance, moments.count), None)
 
     if config.virtual_batch_size is not None:
-        return _ghost_train(config, gamma, beta, x4, fmt, backend, key)
+        return _ghost_train(config, gamma, beta, x4, fmt, backend, key, guard)
 
     # Slow path: differentiable moments through a differentiable all-reduce, then
     # separate ops for renorm / adjustment / weights.
     weights = config.batch_weights
-    moments = _engine.differentiable_moments(x4, fmt, weights, backend, key)
+    moments = _engine.differentiable_moments(x4, fmt, weights, backend, key,
+                                             control_inputs=guard)
     bshape = _math.broadcast_shape(fmt, channels)
     xs4 = moments.shifted_inputs
     var = moments.variance
@@ -368,7 +471,7 @@ def _train_stats_and_output(config, params, info, x4, fmt):
     return (y, tf.stop_gradient(moments.mean), tf.stop_gradient(target_var), renorm_stats)
 
 
-def _ghost_train(config, gamma, beta, x4, fmt, backend, key):
+def _ghost_train(config, gamma, beta, x4, fmt, backend, key, guard):
     """Ghost batch norm: each virtual batch is normalized by its own statistics.
 
     With a sync group of ``N`` members, virtual batch ``k`` is the ``k``-th
@@ -393,7 +496,7 @@ def _ghost_train(config, gamma, beta, x4, fmt, backend, key):
         x4 = tf.identity(x4)
     groups = batch // per_member
     mean, var, xhat4 = _engine.ghost_normalize(x4, fmt, per_member, groups, backend, key,
-                                               config.epsilon)
+                                               config.epsilon, control_inputs=guard)
     bshape = _math.broadcast_shape(fmt, config.channels)
     y4 = xhat4 * tf.cast(tf.reshape(gamma, bshape), xhat4.dtype) + \
         tf.cast(tf.reshape(beta, bshape), xhat4.dtype)
@@ -495,7 +598,7 @@ def finetune_decay(config, count, finetune):
 
 
 def batch_norm(config, params, updates_collections=tf1.GraphKeys.UPDATE_OPS,
-               update_moving=True, finetune=None):
+               update_moving=True, finetune=None, prediction_towers_update=False):
     """Builds one batch-norm call from a validated :class:`Config`.
 
     Args:
@@ -507,18 +610,23 @@ def batch_norm(config, params, updates_collections=tf1.GraphKeys.UPDATE_OPS,
       finetune: None, or a Python bool / scalar bool tensor that switches the
         moving statistics to the exact average over batches (needs
         ``params.finetune_count``).
+      prediction_towers_update: see :func:`tower_info`.
+
+    Moving-average updates are built once per call, by the main training
+    tower. With ``updates_collections``, every other training tower of the
+    group adds to its own collections a trigger of those same updates
+    (:meth:`_engine.SyncRegistry.trigger_updates`), so a harness that keeps
+    the first tower's, the last tower's or every tower's ``UPDATE_OPS`` runs
+    them exactly once per step.
 
     Returns:
       The output tensor, with the shape and dtype of the input.
     """
     x = config.inputs
-    info = tower_info(config)
+    info = tower_info(config, prediction_towers_update)
     x4, fmt = _math.canonical_view(x, config.channels_last)
     training = config.is_training
-    # Only the main training tower updates the moving statistics; prediction
-    # towers never do. Outside a TowerContext, tower 0 (by name scope) does.
-    main = info.ctx.is_main_training_tower if info.ctx is not None else info.index == 0
-    do_update = update_moving and main
+    do_update = update_moving and info.main
 
     decay = new_count = None
     if finetune is not None and params.finetune_count is not None and training is not False:
@@ -566,5 +674,20 @@ def batch_norm(config, params, updates_collections=tf1.GraphKeys.UPDATE_OPS,
         else:
             for op in updates:
                 tf1.add_to_collections(updates_collections, op)
+    _share_updates(info, updates, update_moving and training is not False,
+                   updates_collections)
     y.set_shape(x.shape)
     return y
+
+
+def _share_updates(info, updates, updating, updates_collections):
+    """Puts a trigger of the main tower's updates into every other tower's collections."""
+    if info.towers == 1 or updates_collections is None or not updating:
+        return
+    registry = _engine.get_registry()
+    if info.main:
+        if updates:
+            registry.share_updates(info.towers, info.call, updates)
+    elif info.ctx is None or info.ctx.is_training:
+        tf1.add_to_collections(updates_collections,
+                               registry.trigger_updates(info.towers, info.call))

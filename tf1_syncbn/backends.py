@@ -28,7 +28,9 @@ __all__ = ['SyncBackend', 'SyncKey', 'CollectiveBackend', 'NcclBackend', 'Horovo
            'stable_hash', 'DEFAULT_TIMEOUT']
 
 #: Seconds a collective all-reduce waits for the other members before it fails
-#: with ``DeadlineExceededError`` (override with ``TF1_SYNCBN_TIMEOUT``).
+#: with ``DeadlineExceededError``: 600, or the environment variable
+#: ``TF1_SYNCBN_TIMEOUT`` (read when :mod:`tf1_syncbn` is imported; 0 waits
+#: forever). ``CollectiveBackend(timeout=...)`` overrides it per layer.
 DEFAULT_TIMEOUT = float(os.environ.get('TF1_SYNCBN_TIMEOUT', '600'))
 
 SyncKey = collections.namedtuple('SyncKey', ['name', 'layer', 'group_size', 'device'])
@@ -59,11 +61,39 @@ def device_type(device):
     return tf.DeviceSpec.from_string(device or '').device_type or ''
 
 
+def gpus_present():
+    """Whether this process sees a physical GPU."""
+    return bool(tf.config.list_physical_devices('GPU'))
+
+
+def _is_local(device):
+    """Whether ``device`` names this process (no job, or ``/job:localhost``)."""
+    job = tf.DeviceSpec.from_string(device or '').job
+    return job in (None, 'localhost')
+
+
+def _missing_gpu_error(layer, device, backend_name):
+    return ValueError(
+        "%s: sync_statistics=%r, and the tower is on %s, but this machine has no GPU. "
+        "Soft placement would put every tower on CPU:0, where towers cannot synchronize "
+        "(the all-reduce would wait for its timeout). Place the towers on CPUs "
+        "('/cpu:<i>', with tower.virtual_cpu_config(N) as the session config), run on "
+        "a machine with GPUs, or pass sync_statistics=None for per-tower statistics."
+        % (layer, backend_name, device))
+
+
 class SyncBackend(object):
     """Interface of an all-reduce backend (see the module docstring)."""
 
     #: The string that selects this backend in ``sync_statistics``.
     name = None
+
+    #: Whether a layer built outside any tower context, without ``num_dev``,
+    #: may take itself for the only tower of its process (Horovod's
+    #: one-process-per-device convention). Otherwise such a layer raises
+    #: ``ValueError`` rather than guess the group and fall back to per-tower
+    #: statistics.
+    implicit_single_tower = False
 
     def group_size(self, towers):
         """Number of all-reduce members when ``towers`` towers are in this graph."""
@@ -135,6 +165,9 @@ class CollectiveBackend(SyncBackend):
                 "%s: sync_statistics='collective' needs each tower on its own device, but this "
                 "tower has no device. Build towers under tf.device (for example with "
                 "tower.call_for_each_tower)." % key.layer)
+        if (key.group_size > 1 and device_type(key.device) == 'GPU' and _is_local(key.device)
+                and not gpus_present()):
+            raise _missing_gpu_error(key.layer, key.device, self.name)
 
     def all_reduce(self, tensor, key, direction):
         from tensorflow.python.ops import collective_ops
@@ -160,11 +193,15 @@ class NcclBackend(SyncBackend):
     name = 'nccl'
 
     def check(self, key):
-        if key.group_size > 1 and device_type(key.device) != 'GPU':
+        if key.group_size <= 1:
+            return
+        if device_type(key.device) != 'GPU':
             raise ValueError(
                 "%s: sync_statistics='nccl' needs every tower on a GPU, but this tower is on "
                 "%r (NCCL has no CPU kernel). Use sync_statistics='collective' instead."
                 % (key.layer, key.device or 'no device'))
+        if not gpus_present():
+            raise _missing_gpu_error(key.layer, key.device, self.name)
 
     def shared_name(self, key, direction):
         return re.sub(r'[^A-Za-z0-9_./-]', '_', 'tf1_syncbn/%s/%s' % (key.name, direction))
@@ -185,6 +222,7 @@ class HorovodBackend(SyncBackend):
     """
 
     name = 'horovod'
+    implicit_single_tower = True
 
     def __init__(self):
         try:
@@ -226,7 +264,8 @@ def resolve(spec, layer, device, towers):
       A :class:`SyncBackend`, or None for per-tower statistics.
 
     ``'auto'`` picks None for a single tower, ``'nccl'`` when this tower is on
-    a GPU and ``'collective'`` otherwise.
+    a GPU *and* this process sees a physical GPU, and ``'collective'``
+    otherwise.
     """
     if spec is None or isinstance(spec, SyncBackend):
         return spec
@@ -237,7 +276,7 @@ def resolve(spec, layer, device, towers):
     if name == 'auto':
         if towers <= 1:
             return None
-        name = 'nccl' if device_type(device) == 'GPU' else 'collective'
+        name = 'nccl' if device_type(device) == 'GPU' and gpus_present() else 'collective'
     if name not in _BY_NAME:
         raise ValueError('%s: unknown sync_statistics=%r; use one of %s or a SyncBackend '
                          'object.' % (layer, spec, ', '.join(repr(v) for v in VALID_NAMES)))

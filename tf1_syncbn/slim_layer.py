@@ -150,6 +150,7 @@ def sync_batch_norm(inputs,
     Raises:
       ValueError, TypeError: on invalid configuration or input, at graph build.
     """
+    core.check_graph_mode('sync_batch_norm')
     config = core.Config(
         layer='sync_batch_norm', inputs=inputs, data_format=data_format,
         is_training=is_training, momentum=decay, epsilon=epsilon, center=center,
