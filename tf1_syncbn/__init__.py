@@ -3,6 +3,8 @@
 * :func:`sync_batch_norm`: ``slim.batch_norm`` with global-batch statistics.
 * :func:`BatchNorm`, :func:`BatchRenorm`: tensorpack's layers, on the same engine.
 * :func:`start_finetuning`: restart the exact population statistics.
+* :func:`patch_tensorpack`: make tensorpack code build this library's layers.
+* :class:`SyncBNWarning`: warned when a layer that could synchronize does not.
 * Backends: :class:`CollectiveBackend`, :class:`NcclBackend`,
   :class:`HorovodBackend` (or the strings ``'collective'``, ``'nccl'``,
   ``'horovod'``, ``'auto'``).
@@ -13,9 +15,11 @@ from tf1_syncbn.backends import (CollectiveBackend, HorovodBackend, NcclBackend,
 from tf1_syncbn.slim_layer import sync_batch_norm
 from tf1_syncbn.tensorpack_layer import BatchNorm, BatchRenorm, start_finetuning
 from tf1_syncbn.convert import convert_arg_scope, sync_arg_scope
+from tf1_syncbn.tensorpack_compat import patch_tensorpack
+from tf1_syncbn._layer_core import SyncBNWarning
 
 __all__ = ['sync_batch_norm', 'BatchNorm', 'BatchRenorm', 'start_finetuning', 'SyncBackend',
            'SyncKey', 'CollectiveBackend', 'NcclBackend', 'HorovodBackend']
-__all__ += ['sync_arg_scope', 'convert_arg_scope']
+__all__ += ['sync_arg_scope', 'convert_arg_scope', 'patch_tensorpack', 'SyncBNWarning']
 
 __version__ = '0.1.0'

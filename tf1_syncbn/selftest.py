@@ -15,9 +15,12 @@ concatenated batch, on one device:
   (fused batch norm returns the Bessel-corrected batch variance).
 
 It prints a table per backend, with the max abs error of each quantity and the
-median time of a training step, says PASS or FAIL, and exits with status 1 on
-a mismatch (0 when every backend that ran passed; backends that cannot run
-here, such as NCCL without GPUs, are skipped with a message).
+median time of a training step, and says PASS, FAIL or SKIPPED. Exit status:
+0 when at least one backend ran and every backend that ran passed; 1 on a
+mismatch or an error, and also when nothing was checked (every requested
+backend was skipped, for example ``--backend nccl`` without GPUs), so that a
+CI job cannot pass on a skip. Backends that cannot run here are skipped with
+a message.
 
 Usage::
 
@@ -352,7 +355,7 @@ def _parse(argv):
 
 
 def main(argv=None):
-    """Runs the self-test; returns the exit status (0 pass, 1 mismatch or error).
+    """Runs the self-test; returns the exit status (0 pass; 1 mismatch, error or nothing run).
 
     Args:
       argv: the command-line arguments without the program name (default
@@ -391,7 +394,7 @@ def main(argv=None):
         return 1
     if not ran:
         print('SKIPPED: no requested backend can run here; nothing was checked.')
-        return 0
+        return 1
     print('PASS: %s%s' % (', '.join(r.backend for r in ran),
                           ' (skipped: %s)' % ', '.join(r.backend for r in results
                                                        if r.status == 'SKIP')

@@ -6,6 +6,7 @@ import types
 import tensorflow as tf
 
 from tf1_syncbn import _layer_core as core
+from tf1_syncbn.tensorpack_compat import tensorpack_layer
 from tower import get_current_tower_context
 
 __all__ = ['BatchNorm', 'BatchRenorm', 'start_finetuning']
@@ -114,6 +115,7 @@ def _holder(**variables):
     return types.SimpleNamespace(**{k: v for k, v in variables.items() if v is not None})
 
 
+@tensorpack_layer
 def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_UNSET, epsilon=1e-5,
               center=_UNSET, scale=_UNSET, beta_initializer=None, gamma_initializer=_UNSET,
               virtual_batch_size=None, data_format='channels_last', ema_update='default',
@@ -181,6 +183,7 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_UNSET, epsilo
       and ``variance``/``moving_variance``.
     """
     layer = 'BatchNorm(%r)' % (name,)
+    core.check_graph_mode(layer)
     options = {'momentum': momentum, 'center': center, 'scale': scale,
                'gamma_initializer': gamma_initializer, 'training': _UNSET}
     _apply_legacy_names(layer, legacy_kwargs, options)
@@ -226,8 +229,11 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_UNSET, epsilo
         collections = [tf1.GraphKeys.UPDATE_OPS]
         if ema_update == 'internal' or sync_statistics is not None:
             collections = None
+        # As tensorpack's layer: a prediction tower that is asked for batch
+        # statistics (training=True) updates the moving statistics too.
         out = core.batch_norm(config, params, updates_collections=collections,
-                              update_moving=ema_update != 'skip', finetune=finetune)
+                              update_moving=ema_update != 'skip', finetune=finetune,
+                              prediction_towers_update=True)
         out = tf.identity(out, name='output')
     _attach_variables(out, beta=beta, gamma=gamma, moving_mean=moving_mean,
                       mean=moving_mean, moving_variance=moving_var, variance=moving_var)
@@ -241,6 +247,7 @@ def _attach_variables(tensor, **variables):
         pass
 
 
+@tensorpack_layer
 def BatchRenorm(name, x, rmax, dmax, *, momentum=0.9, epsilon=1e-5, center=True, scale=True,
                 gamma_initializer=None, data_format='channels_last', sync_statistics=None,
                 training=None, **legacy_kwargs):
@@ -276,6 +283,7 @@ def BatchRenorm(name, x, rmax, dmax, *, momentum=0.9, epsilon=1e-5, center=True,
       A tensor named ``<name>/output`` with the shape of ``x``.
     """
     layer = 'BatchRenorm(%r)' % (name,)
+    core.check_graph_mode(layer)
     options = {'momentum': _UNSET, 'center': _UNSET, 'scale': _UNSET,
                'gamma_initializer': _UNSET}
     _apply_legacy_names(layer, legacy_kwargs, options)

@@ -1,0 +1,175 @@
+"""tensorpack's layer API for :func:`BatchNorm` and :func:`BatchRenorm`.
+
+Two things make this library's tensorpack-style layers work inside existing
+tensorpack code:
+
+* **argscope.** The layers accept tensorpack's ``argscope``, as tensorpack's
+  own layers do: ``with argscope([Conv2D, BatchNorm], data_format='NCHW')``.
+  An argscope is keyed by the layer's name, so one set for tensorpack's
+  ``BatchNorm`` applies to this one too. Explicit arguments win over the
+  argscope, which wins over :func:`patch_tensorpack`'s defaults.
+* **patch_tensorpack().** One call that makes code written for tensorpack's
+  ``BatchNorm`` / ``BatchRenorm`` build these instead, with no other edit:
+  calls by imported name, through ``argscope`` and through ``LinearWrap``.
+
+tensorpack is never imported unless :func:`patch_tensorpack` is called: the
+argscope is read only when the user's program has imported tensorpack.
+"""
+
+import functools
+import inspect
+import sys
+import threading
+
+__all__ = ['patch_tensorpack', 'tensorpack_layer']
+
+_LAYER_NAMES = ('BatchNorm', 'BatchRenorm')
+_DEFAULTS = {}          # layer name -> default keyword arguments of the active patches
+_LOCK = threading.Lock()
+
+
+def _argscope_kwargs(name):
+    module = sys.modules.get('tensorpack.tfutils.argscope')
+    if module is None:
+        return {}
+    return dict(module.get_arg_scope()[name])
+
+
+def tensorpack_layer(func):
+    """Gives a tensorpack-style layer ``func(name, inputs, ...)`` tensorpack's layer API.
+
+    The wrapped layer reads tensorpack's ``argscope`` (when tensorpack is
+    imported) and the defaults of an active :func:`patch_tensorpack`, and has
+    the attributes that tensorpack's ``argscope`` and ``LinearWrap`` look for
+    (``__argscope_enabled__``, ``use_scope``).
+    """
+    @functools.wraps(func)
+    def layer(*args, **kwargs):
+        with _LOCK:
+            merged = dict(_DEFAULTS.get(func.__name__, {}))
+        merged.update(_argscope_kwargs(func.__name__))
+        merged.update(kwargs)
+        return func(*args, **merged)
+
+    layer.__argscope_enabled__ = True
+    layer.use_scope = True
+    return layer
+
+
+class _Patch(object):
+    """The handle :func:`patch_tensorpack` returns: a context manager, or call :meth:`restore`."""
+
+    def __init__(self, replaced, registry, registry_originals, defaults):
+        self._replaced = replaced          # [(module, attribute, original)]
+        self._registry = registry
+        self._registry_originals = registry_originals
+        self._defaults = defaults
+        self._active = True
+
+    @property
+    def patched_modules(self):
+        """The names of the modules whose attributes were replaced."""
+        return sorted({module.__name__ for module, _, _ in self._replaced})
+
+    def restore(self):
+        """Puts tensorpack's layers back where they were; idempotent."""
+        if not self._active:
+            return
+        self._active = False
+        for module, attribute, original in reversed(self._replaced):
+            setattr(module, attribute, original)
+        self._registry.update(self._registry_originals)
+        with _LOCK:
+            for name in _LAYER_NAMES:
+                stack = _DEFAULTS.get(name)
+                if stack is not None and stack is self._defaults.get(name):
+                    del _DEFAULTS[name]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.restore()
+        return False
+
+
+def patch_tensorpack(sync_statistics=None, **defaults):
+    """Makes code written for tensorpack's ``BatchNorm``/``BatchRenorm`` build this library's.
+
+    Call it once, before the model is built (a trainer builds it in
+    ``launch_train_with_config`` / ``setup_graph``)::
+
+        from tensorpack import *
+        import tf1_syncbn
+        tf1_syncbn.patch_tensorpack(sync_statistics='auto')   # every BatchNorm is synchronized
+
+        launch_train_with_config(config, SyncMultiGPUTrainerReplicated(8))
+
+    What it changes, until :meth:`restore` (or the end of a ``with`` block):
+
+    * tensorpack's layer registry, which ``LinearWrap(x).BatchNorm('bn')``
+      looks layers up in;
+    * every attribute, in every loaded module, that *is* tensorpack's
+      ``BatchNorm`` or ``BatchRenorm`` function: ``tensorpack.BatchNorm``,
+      ``tensorpack.models.BatchNorm``, and the names your own modules
+      imported (``from tensorpack import *`` before this call included).
+      Nothing else is touched: an attribute is replaced only when it is the
+      very function object tensorpack defines;
+    * while active, the layers default to the given keyword arguments
+      (``sync_statistics`` and ``**defaults``); explicit arguments and
+      ``argscope`` still win.
+
+    ``argscope([Conv2D, BatchNorm], ...)`` applies to both layers in any case
+    (tensorpack keys argscopes by name). The patch is process-wide: do not
+    build another model in another thread at the same time.
+
+    Variables keep tensorpack's names (``beta``, ``gamma``, ``mean/EMA``,
+    ``variance/EMA``), so existing checkpoints restore.
+
+    Args:
+      sync_statistics: the default ``sync_statistics`` of the layers while the
+        patch is active: None (tensorpack's default, per-tower statistics),
+        ``'auto'``, ``'collective'``, ``'nccl'``, ``'horovod'`` or a
+        :class:`tf1_syncbn.SyncBackend`.
+      **defaults: other default keyword arguments of both layers (for example
+        ``epsilon=1e-5``).
+
+    Returns:
+      A handle with ``restore()``, usable as a context manager.
+
+    Raises:
+      ImportError: when tensorpack is not installed.
+    """
+    from tensorpack.models import batch_norm as tp_batch_norm  # noqa: PLC0415
+    from tensorpack.models import registry as tp_registry  # noqa: PLC0415
+
+    from tf1_syncbn import tensorpack_layer  # noqa: PLC0415
+
+    ours = {'BatchNorm': tensorpack_layer.BatchNorm, 'BatchRenorm': tensorpack_layer.BatchRenorm}
+    theirs = {name: getattr(tp_batch_norm, name) for name in _LAYER_NAMES}
+    if any(f is ours[name] for name, f in theirs.items()):
+        raise RuntimeError('patch_tensorpack: tensorpack is already patched; restore the '
+                           'active patch first.')
+    replaced = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, '__dict__', None)
+        if not namespace:
+            continue
+        for name in _LAYER_NAMES:
+            if namespace.get(name) is theirs[name]:
+                replaced.append((module, name, theirs[name]))
+    for key in defaults:
+        for name, layer in ours.items():
+            if key not in inspect.signature(layer).parameters:
+                raise TypeError('patch_tensorpack: %s has no argument %r.' % (name, key))
+    registry = tp_registry._LAYER_REGISTRY  # noqa: SLF001 - what LinearWrap reads
+    registry_originals = {name: registry[name] for name in _LAYER_NAMES if name in registry}
+    layer_defaults = dict(defaults)
+    layer_defaults['sync_statistics'] = sync_statistics
+    per_layer = {name: dict(layer_defaults) for name in _LAYER_NAMES}
+    for module, name, _ in replaced:
+        setattr(module, name, ours[name])
+    registry.update(ours)
+    with _LOCK:
+        _DEFAULTS.update(per_layer)
+    return _Patch(replaced, registry, registry_originals, per_layer)
