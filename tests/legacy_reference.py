@@ -27,8 +27,10 @@ for _name in ('normalization', 'base', 'core', 'convolutional', 'pooling'):
 '''
 
 
-def run_reference(code, tmp_path, args=(), timeout=300):
+def run_reference(code, tmp_path, args=(), timeout=300, env=None):
     """Runs ``code`` (after the legacy-Keras shim) in a fresh interpreter.
+
+    ``env`` adds environment variables for the script.
 
     Returns:
       The stdout of the script.
@@ -39,7 +41,7 @@ def run_reference(code, tmp_path, args=(), timeout=300):
     script = tmp_path / 'reference_script.py'
     script.write_text(SHIM + code)
     env = dict(os.environ, TF_USE_LEGACY_KERAS='1', TF_CPP_MIN_LOG_LEVEL='3',
-               PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE)]))
+               PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE)]), **(env or {}))
     proc = subprocess.run([sys.executable, str(script)] + list(args), env=env, capture_output=True,
                           text=True, timeout=timeout, cwd=str(tmp_path))
     if proc.returncode != 0:

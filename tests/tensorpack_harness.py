@@ -1,0 +1,247 @@
+"""tensorpack 0.11's own trainers and predictor, with tf1_syncbn's layers plugged in.
+
+Run by ``tests/test_harness_tensorpack.py`` through ``legacy_reference.run_reference``
+(a fresh interpreter with legacy Keras, which tensorpack 0.11 needs on TF 2.21):
+
+    python tensorpack_harness.py OUT_DIR '{"towers": [2, 4], ...}'
+
+It trains the same small conv net (Conv2D -> BatchNorm -> relu -> pooling ->
+FullyConnected) for a few SGD steps with:
+
+* ``reference``: tensorpack's own ``BatchNorm`` under ``SimpleTrainer``: one
+  tower on the whole (concatenated) batch;
+* ``ps<N>``: ``tf1_syncbn.BatchNorm(..., sync_statistics='collective')`` under
+  tensorpack's ``SyncMultiGPUTrainerParameterServer`` on N towers;
+* ``replicated<N>``: the same under ``SyncMultiGPUTrainerReplicated`` (each
+  tower owns ``tower<k>/`` variables, tensorpack syncs them itself);
+* ``patched<N>``: a model written with ``argscope`` and ``LinearWrap`` that
+  calls tensorpack's ``BatchNorm`` by name, switched to tf1_syncbn's by
+  ``tf1_syncbn.patch_tensorpack()`` and nothing else, under the PS trainer;
+
+then scores a held-out batch twice with tensorpack's ``OfflinePredictor`` on
+the ``ps<N>`` checkpoint. Everything tensorpack does is tensorpack's own code,
+with one override, documented at ``_towers_on_virtual_cpus``. It writes
+``OUT_DIR/result.npz`` (losses, checkpoint variables, predictor outputs) and
+``OUT_DIR/result.json`` (op counts, layer types).
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+from tensorpack import *  # noqa: F401,F403 - as tensorpack scripts are written
+from tensorpack import (BatchData, BatchNorm, Callback, Conv2D, DataFromList, FullyConnected,
+                        GlobalAvgPooling, LinearWrap, ModelDesc, ModelSaver, OfflinePredictor,
+                        PredictConfig, SimpleTrainer, SmartInit,
+                        SyncMultiGPUTrainerParameterServer, SyncMultiGPUTrainerReplicated,
+                        TrainConfig, argscope, launch_train_with_config)
+from tensorpack.graph_builder import training as tp_training
+
+import tf1_syncbn
+from tower import virtual_cpu_config
+
+tf1 = tf.compat.v1
+OUT = sys.argv[1]
+CONFIG = json.loads(sys.argv[2])
+STEPS = CONFIG['steps']
+GLOBAL_BATCH = CONFIG['global_batch']
+MOMENTUM = 0.8
+SHAPE = (6, 6, 3)
+CLASSES = 4
+
+
+def _towers_on_virtual_cpus():
+    """The one override: tensorpack's multi-GPU builders hard-code '/gpu:<k>'.
+
+    This machine has no GPU, so ``DataParallelBuilder.build_on_towers`` is
+    wrapped to put tower ``k`` on the virtual CPU ``/cpu:<k>`` instead (its
+    compute device, and the variable devices of the parameter-server device
+    setter). Nothing else of tensorpack is changed.
+    """
+    original = tp_training.DataParallelBuilder.build_on_towers
+
+    def on_cpu(device):
+        if isinstance(device, str):
+            return device.replace('/gpu:', '/cpu:')
+        device.worker_device = on_cpu(device.worker_device)
+        device.ps_devices = [on_cpu(d) for d in device.ps_devices]
+        return device
+
+    def build_on_towers(towers, func, devices=None, use_vs=None):
+        devices = (['/cpu:%d' % t for t in towers] if devices is None
+                   else [on_cpu(d) for d in devices])
+        return original(towers, func, devices=devices, use_vs=use_vs)
+
+    tp_training.DataParallelBuilder.build_on_towers = staticmethod(build_on_towers)
+
+
+_towers_on_virtual_cpus()
+
+rng = np.random.RandomState(0)
+IMAGES = (rng.randn(STEPS * GLOBAL_BATCH + 8, *SHAPE) * 2 + 1).astype(np.float32)
+LABELS = rng.randint(0, CLASSES, size=len(IMAGES)).astype(np.int32)
+W_CONV = (rng.randn(3, 3, SHAPE[-1], 8) * 0.3).astype(np.float32)
+W_FC = (rng.randn(8, CLASSES) * 0.3).astype(np.float32)
+
+
+def tensorpack_bn(name, x):
+    return BatchNorm(name, x, momentum=MOMENTUM)
+
+
+def synced_bn(name, x):
+    return tf1_syncbn.BatchNorm(name, x, momentum=MOMENTUM, sync_statistics='collective')
+
+
+class Model(ModelDesc):
+    """A conv net written with explicit layer calls; ``bn`` is the batch norm."""
+
+    def __init__(self, bn):
+        self._bn = bn
+
+    def inputs(self):
+        return [tf.TensorSpec((None,) + SHAPE, tf.float32, 'input'),
+                tf.TensorSpec((None,), tf.int32, 'label')]
+
+    def build_graph(self, image, label):
+        x = Conv2D('conv', image, 8, 3, activation=tf.identity, use_bias=False,
+                   kernel_initializer=tf1.constant_initializer(W_CONV))
+        x = tf.nn.relu(self._bn('bn', x))
+        x = GlobalAvgPooling('gap', x)
+        logits = FullyConnected('fc', x, CLASSES, kernel_initializer=tf1.constant_initializer(W_FC))
+        return _cost(logits, label)
+
+    def optimizer(self):
+        return tf1.train.GradientDescentOptimizer(0.5)
+
+
+class LinearWrapModel(Model):
+    """The same net as tensorpack's examples write it: argscope + LinearWrap, BatchNorm by name."""
+
+    def __init__(self):
+        super(LinearWrapModel, self).__init__(None)
+
+    def build_graph(self, image, label):
+        with argscope(BatchNorm, momentum=MOMENTUM), \
+                argscope([Conv2D, BatchNorm], data_format='channels_last'):
+            logits = (LinearWrap(image)
+                      .Conv2D('conv', 8, 3, activation=tf.identity, use_bias=False,
+                              kernel_initializer=tf1.constant_initializer(W_CONV))
+                      .BatchNorm('bn')
+                      .tf.nn.relu()
+                      .GlobalAvgPooling('gap')
+                      .FullyConnected('fc', CLASSES,
+                                      kernel_initializer=tf1.constant_initializer(W_FC))())
+        return _cost(logits, label)
+
+
+def _cost(logits, label):
+    cost = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=label,
+                                                                         logits=logits))
+    return tf.identity(cost, name='cost')
+
+
+class RecordLosses(Callback):
+    """Fetches every tower's cost in each training step (the step's loss is their mean)."""
+
+    def __init__(self, sink):
+        self._sink = sink
+
+    def _setup_graph(self):
+        graph = tf1.get_default_graph()
+        self._costs = [op.outputs[0] for op in graph.get_operations()
+                       if op.type == 'Identity' and op.name.split('/')[-1] == 'cost']
+        self._sink['towers_with_cost'] = len(self._costs)
+        self._sink['collectives'] = sum(1 for op in graph.get_operations()
+                                        if op.type == 'CollectiveReduce')
+        self._sink['tower_bn_variables'] = sorted(
+            v.op.name for v in tf1.global_variables() + tf1.local_variables()
+            if v.op.name.startswith('tower') and '/bn/' in v.op.name)
+
+    def _before_run(self, _):
+        return tf1.train.SessionRunArgs(fetches=self._costs)
+
+    def _after_run(self, _, run_values):
+        self._sink.setdefault('losses', []).append(float(np.mean(run_values.results)))
+
+
+def _session_config(towers):
+    """N virtual CPUs, and more inter-op threads than towers.
+
+    tensorpack's ``StagingInput`` (used by its multi-GPU trainers) puts each
+    tower's next batch into a staging area of capacity 1; a put blocks its
+    inter-op thread until the tower's get has run. With the default pool (one
+    thread per core: 2 on small CI machines) two blocked puts stall every
+    other op, including the gets: a deadlock of tensorpack on machines with
+    fewer cores than towers, unrelated to batch norm.
+    """
+    return virtual_cpu_config(towers, allow_soft_placement=True,
+                              inter_op_parallelism_threads=2 * towers + 2)
+
+
+def train(name, model, trainer, towers):
+    batch = GLOBAL_BATCH // towers
+    data = DataFromList([[IMAGES[i], LABELS[i]] for i in range(STEPS * GLOBAL_BATCH)],
+                        shuffle=False)
+    ckpt_dir = os.path.join(OUT, name)
+    sink = {}
+    with tf.Graph().as_default():
+        config = TrainConfig(
+            model=model, dataflow=BatchData(data, batch),
+            callbacks=[RecordLosses(sink), ModelSaver(checkpoint_dir=ckpt_dir)], monitors=[],
+            session_config=_session_config(towers),
+            steps_per_epoch=STEPS, max_epoch=1)
+        launch_train_with_config(config, trainer)
+    path = tf.train.latest_checkpoint(ckpt_dir)
+    reader = tf.train.load_checkpoint(path)
+    variables = {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()}
+    sink['checkpoint'] = path
+    return sink, variables
+
+
+def predict(checkpoint):
+    """Scores a held-out batch twice with tensorpack's OfflinePredictor."""
+    images = IMAGES[-8:]
+    predictor = OfflinePredictor(PredictConfig(
+        model=Model(synced_bn), session_init=SmartInit(checkpoint),
+        input_names=['input'], output_names=['conv/output', 'bn/output']))
+    conv1, bn1 = predictor(images)
+    conv2, bn2 = predictor(images)
+    with predictor.graph.as_default():
+        ema = predictor.sess.run([v for name in ('bn/mean/EMA', 'bn/variance/EMA')
+                                  for v in tf1.global_variables() if v.op.name == name])
+    return dict(conv=conv1, bn=bn1, bn_again=bn2, ema_mean=ema[0], ema_var=ema[1])
+
+
+def main():
+    results, info = {}, {}
+
+    def keep(name, sink, variables):
+        results['losses/' + name] = np.array(sink['losses'])
+        for k, v in variables.items():
+            results['var/%s/%s' % (name, k)] = v
+        info[name] = {k: v for k, v in sink.items() if k != 'losses'}
+
+    keep('reference', *train('reference', Model(tensorpack_bn), SimpleTrainer(), 1))
+    for n in CONFIG['towers']:
+        keep('ps%d' % n, *train('ps%d' % n, Model(synced_bn),
+                                SyncMultiGPUTrainerParameterServer(n), n))
+        keep('replicated%d' % n, *train('replicated%d' % n, Model(synced_bn),
+                                        SyncMultiGPUTrainerReplicated(n, mode='cpu'), n))
+        with tf1_syncbn.patch_tensorpack(sync_statistics='collective') as patch:
+            info.setdefault('patched_modules', patch.patched_modules)
+            keep('patched%d' % n, *train('patched%d' % n, LinearWrapModel(),
+                                         SyncMultiGPUTrainerParameterServer(n), n))
+    info['restored'] = BatchNorm is sys.modules['tensorpack'].BatchNorm and \
+        'tf1_syncbn' not in BatchNorm.__module__
+    for k, v in predict(info['ps%d' % CONFIG['towers'][0]]['checkpoint']).items():
+        results['predict/' + k] = v
+    np.savez(os.path.join(OUT, 'result.npz'), **results)
+    with open(os.path.join(OUT, 'result.json'), 'w') as f:
+        json.dump(info, f)
+    print('RESULT', os.path.join(OUT, 'result.npz'))
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,242 @@
+"""Harnesses that mark towers with plain name scopes, written as their scripts do.
+
+* tf-slim's ``model_deploy`` (behind ``train_image_classifier.py``): clones in
+  ``tf.name_scope('clone_%d')`` on their own devices, variables shared with
+  ``variable_scope(reuse=i > 0)``, each clone's loss divided by the number of
+  clones and the gradients summed, and **the first clone's** ``UPDATE_OPS``
+  (``tf.get_collection(UPDATE_OPS, 'clone_0')``).
+* The classic multi-GPU scripts (``cifar10_multi_gpu_train.py``,
+  ``inception_train.py``): towers in ``tf.name_scope('tower_%d')``,
+  ``reuse_variables()`` after the first tower, averaged gradients, and **the
+  last tower's** ``UPDATE_OPS``.
+
+The library is plugged in as a user would: ``sync_batch_norm`` as the
+``normalizer_fn`` of ``slim.conv2d`` with ``num_dev``. The reference is the
+same net on one device with the concatenated batch, whose batch norm is
+``tf.nn.fused_batch_norm`` plus its moving averages (what slim's fused path
+computes), written here. Compared after several SGD steps: the loss of every
+step, every variable, the moving statistics.
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_slim as slim
+
+from conftest import make_session
+from tf1_syncbn import SyncBNWarning, sync_batch_norm
+from tower import average_gradients
+
+tf1 = tf.compat.v1
+DECAY = 0.8
+EPS = 1e-3
+STEPS = 4
+SHAPE = (6, 6, 3)
+CLASSES = 4
+PER_TOWER = 3
+
+_rng = np.random.RandomState(7)
+W_CONV = (_rng.randn(3, 3, SHAPE[-1], 8) * 0.3).astype(np.float32)
+W_FC = (_rng.randn(8, CLASSES) * 0.3).astype(np.float32)
+
+
+def fused_reference_bn(inputs, decay, epsilon, scale=True, **unused):
+    """Single-device batch norm: ``tf.nn.fused_batch_norm`` and slim's variable names."""
+    del unused
+    with tf1.variable_scope(None, 'BatchNorm'):
+        channels = inputs.shape[-1]
+        beta = tf1.get_variable('beta', [channels], initializer=tf1.zeros_initializer())
+        gamma = tf1.get_variable('gamma', [channels], initializer=tf1.ones_initializer())
+        mean_var = tf1.get_variable('moving_mean', [channels], trainable=False,
+                                    initializer=tf1.zeros_initializer())
+        var_var = tf1.get_variable('moving_variance', [channels], trainable=False,
+                                   initializer=tf1.ones_initializer())
+        y, mean, variance = tf1.nn.fused_batch_norm(inputs, gamma if scale else None, beta,
+                                                    epsilon=epsilon, is_training=True)
+        for v, batch in ((mean_var, mean), (var_var, variance)):   # variance: Bessel-corrected
+            tf1.add_to_collection(tf1.GraphKeys.UPDATE_OPS,
+                                  tf1.assign(v, v * decay + batch * (1 - decay)))
+        return y
+
+
+def model(images, labels, normalizer_fn, normalizer_params):
+    with tf1.variable_scope('net'):
+        net = slim.conv2d(images, 8, [3, 3], activation_fn=tf.nn.relu, biases_initializer=None,
+                          weights_initializer=tf1.constant_initializer(W_CONV),
+                          normalizer_fn=normalizer_fn, normalizer_params=normalizer_params,
+                          scope='conv1')
+        net = tf.reduce_mean(net, [1, 2])
+        logits = slim.fully_connected(net, CLASSES, activation_fn=None,
+                                      weights_initializer=tf1.constant_initializer(W_FC),
+                                      scope='fc')
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                                         logits=logits))
+
+
+def _data(towers):
+    rng = np.random.RandomState(towers)
+    n = STEPS * towers * PER_TOWER
+    images = (rng.randn(n, *SHAPE) * 2 + 1).astype(np.float32)
+    labels = rng.randint(0, CLASSES, n).astype(np.int32)
+    return images, labels
+
+
+def _train(build, towers):
+    """Builds with ``build(images, labels, optimizer)``; runs STEPS SGD steps."""
+    images_all, labels_all = _data(towers)
+    graph = tf.Graph()
+    with graph.as_default():
+        images = tf1.placeholder(tf.float32, (None,) + SHAPE)
+        labels = tf1.placeholder(tf.int32, [None])
+        optimizer = tf1.train.GradientDescentOptimizer(0.5)
+        loss, train_op = build(images, labels, optimizer)
+        init = tf1.global_variables_initializer()
+        names = sorted(v.op.name for v in tf1.global_variables())
+        variables = [v for v in sorted(tf1.global_variables(), key=lambda v: v.op.name)]
+    batch = towers * PER_TOWER
+    losses = []
+    with make_session(graph, towers) as sess:
+        sess.run(init)
+        for step in range(STEPS):
+            part = slice(step * batch, (step + 1) * batch)
+            losses.append(sess.run([loss, train_op], {images: images_all[part],
+                                                      labels: labels_all[part]})[0])
+        values = sess.run(variables)
+    return np.array(losses), dict(zip(names, values)), graph
+
+
+def _reference(towers):
+    def build(images, labels, optimizer):
+        with tf.device('/cpu:0'):
+            loss = model(images, labels, fused_reference_bn, {'decay': DECAY, 'epsilon': EPS})
+            with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+                return loss, optimizer.minimize(loss)
+    return _train(build, towers)
+
+
+def _sync_params(towers, **extra):
+    params = {'decay': DECAY, 'epsilon': EPS, 'scale': True, 'num_dev': towers,
+              'sync_statistics': 'collective'}
+    params.update(extra)
+    return params
+
+
+def _keep(keep, towers, scope_format):
+    if keep == 'first':
+        return tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, scope_format % 0)
+    if keep == 'last':
+        return tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, scope_format % (towers - 1))
+    return tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
+
+
+def model_deploy_clones(towers, keep, params=None, devices=None):
+    """tf-slim's model_deploy, inlined: clone_%d scopes, summed (loss / clones) gradients."""
+    def build(images, labels, optimizer):
+        image_parts, label_parts = tf.split(images, towers), tf.split(labels, towers)
+        losses, grads = [], []
+        for i in range(towers):
+            device = devices[i] if devices else '/cpu:%d' % i
+            with tf.name_scope('clone_%d' % i), tf.device(device):
+                with tf1.variable_scope(tf1.get_variable_scope(), reuse=True if i > 0 else None):
+                    loss = model(image_parts[i], label_parts[i], sync_batch_norm,
+                                 params or _sync_params(towers))
+                    losses.append(loss)
+                    grads.append(optimizer.compute_gradients(loss / towers))
+        # model_deploy._sum_clones_gradients
+        summed = [(tf.add_n([g[k][0] for g in grads]), grads[0][k][1])
+                  for k in range(len(grads[0]))]
+        with tf.control_dependencies(_keep(keep, towers, 'clone_%d')):
+            train_op = optimizer.apply_gradients(summed)
+        return tf.add_n(losses) / towers, train_op
+    return build
+
+
+def classic_towers(towers, keep):
+    """cifar10_multi_gpu_train.py / inception_train.py: tower_%d scopes, reuse_variables()."""
+    def build(images, labels, optimizer):
+        image_parts, label_parts = tf.split(images, towers), tf.split(labels, towers)
+        losses, tower_grads = [], []
+        for i in range(towers):
+            with tf.device('/cpu:%d' % i), tf.name_scope('tower_%d' % i):
+                loss = model(image_parts[i], label_parts[i], sync_batch_norm,
+                             _sync_params(towers))
+                tf1.get_variable_scope().reuse_variables()
+                losses.append(loss)
+                tower_grads.append(optimizer.compute_gradients(loss))
+        with tf.control_dependencies(_keep(keep, towers, 'tower_%d')):
+            train_op = optimizer.apply_gradients(average_gradients(tower_grads))
+        return tf.add_n(losses) / towers, train_op
+    return build
+
+
+def _assert_matches_reference(result, reference):
+    losses, variables, _ = result
+    ref_losses, ref_variables, _ = reference
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert sorted(variables) == sorted(ref_variables)
+    for name, value in ref_variables.items():
+        np.testing.assert_allclose(variables[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+    # The moving statistics moved: STEPS updates, each exactly once.
+    assert not np.allclose(variables['net/conv1/BatchNorm/moving_mean'], 0)
+
+
+@pytest.mark.parametrize('towers', [2, 4])
+@pytest.mark.parametrize('keep', ['first', 'last', 'all'])
+@pytest.mark.parametrize('harness', [model_deploy_clones, classic_towers])
+def test_harness_equals_one_device_on_the_concatenated_batch(towers, keep, harness):
+    result = _train(harness(towers, keep), towers)
+    _assert_matches_reference(result, _reference(towers))
+    graph = result[2]
+    collectives = [op for op in graph.get_operations() if op.type == 'CollectiveReduce']
+    assert len(collectives) == 2 * towers   # one layer: one all-reduce forward, one backward
+
+
+def test_model_deploy_clone_on_cpu_is_a_build_error():
+    # model_deploy's clone_on_cpu=True puts every clone on CPU:0: towers on one
+    # device cannot synchronize, and say so instead of hanging.
+    with tf.Graph().as_default():
+        images = tf1.placeholder(tf.float32, (None,) + SHAPE)
+        labels = tf1.placeholder(tf.int32, [None])
+        build = model_deploy_clones(2, 'first', devices=['/cpu:0', '/cpu:0'])
+        with pytest.raises(ValueError, match='both on device'):
+            build(images, labels, tf1.train.GradientDescentOptimizer(0.1))
+
+
+def _build_clones_without_num_dev(sync_statistics):
+    with tf.Graph().as_default():
+        images = tf1.placeholder(tf.float32, (None,) + SHAPE)
+        labels = tf1.placeholder(tf.int32, [None])
+        params = {'decay': DECAY, 'sync_statistics': sync_statistics}
+        build = model_deploy_clones(2, 'first', params=params)
+        build(images, labels, tf1.train.GradientDescentOptimizer(0.1))
+        return tf1.get_default_graph()
+
+
+def test_explicit_backend_without_num_dev_in_clones_is_a_build_error():
+    with pytest.raises(ValueError, match=r"sync_statistics='collective'.*cannot tell how "
+                                         r"many towers.*num_dev"):
+        _build_clones_without_num_dev('collective')
+
+
+def test_auto_without_num_dev_in_clones_warns_once_per_graph():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        graph = _build_clones_without_num_dev('auto')
+    messages = [str(w.message) for w in caught if issubclass(w.category, SyncBNWarning)]
+    # Both clones' scopes look like towers of a group of unknown size: one
+    # warning for the layer in this graph, naming it and the fix.
+    assert len(messages) == 1, messages
+    assert 'net/conv1/BatchNorm' in messages[0] and 'num_dev' in messages[0]
+    assert not [op for op in graph.get_operations() if op.type == 'CollectiveReduce']
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        _build_clones_without_num_dev('auto')
+    assert len([w for w in caught if issubclass(w.category, SyncBNWarning)]) == 1
+
+
+def test_sync_statistics_none_in_clones_is_silent():
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', SyncBNWarning)
+        _build_clones_without_num_dev(None)
