@@ -39,11 +39,6 @@ Attributes:
     :func:`zero_debias_variables`), or None.
 """
 
-#: ``tf.nn.fused_batch_norm`` raises a smaller epsilon to this value (cuDNN's
-#: minimum), so the layers that call it (slim's and Keras' fused paths) do.
-FUSED_MIN_EPSILON = 1.001e-5
-
-
 def replaced_layer_is_fused(fused, rank, fused_ranks, unfused_options):
     """Whether the replaced layer normalizes with TensorFlow's fused kernel.
 
@@ -52,13 +47,12 @@ def replaced_layer_is_fused(fused, rank, fused_ranks, unfused_options):
     others, and what they compute follows the path:
 
     * fused: the moving variance tracks the kernel's Bessel-corrected
-      (unbiased) batch variance, and epsilon is at least
-      :data:`FUSED_MIN_EPSILON`;
+      (unbiased) batch variance;
     * not fused: the moving variance tracks the biased batch variance (or
       the weighted variance, or, with renorm, ``moving_stddev``).
 
     The layers here keep their own (synchronized) kernels whatever the answer;
-    only those two consequences follow the replaced layer.
+    only the tracked variance follows the replaced layer.
 
     Args:
       fused: the replaced layer's ``fused`` hint: None or True where a fused
@@ -167,16 +161,13 @@ class Config(object):
 
         Args:
           fused: whether the replaced layer runs its fused kernel here: the
-            moving variance then tracks the unbiased variance, and epsilon is
-            raised to :data:`FUSED_MIN_EPSILON`, as ``tf.nn.fused_batch_norm``
-            does; otherwise it tracks the biased variance.
+            moving variance then tracks the unbiased variance, otherwise the
+            biased one.
           float32_decay: the replaced layer computes ``1 - decay`` in float32
             (Keras' fused path does), not in double.
         """
         self.unbiased_variance = bool(fused)
         self.float32_decay = bool(float32_decay)
-        if fused and isinstance(self.epsilon, numbers.Real):
-            self.epsilon = max(self.epsilon, FUSED_MIN_EPSILON)
 
     def validate(self):
         """Checks every option and the input; fills ``channels`` and ``channels_last``."""
@@ -790,10 +781,9 @@ def batch_norm(config, params, updates_collections=tf1.GraphKeys.UPDATE_OPS,
         stats = BatchStats(outs[1], outs[2], outs[3],
                            tuple(outs[4:6]) if config.renorm else None)
         if do_update:
-            updates = [tf.cond(training,
-                               lambda: tf.group(*_update_ops(config, params, stats,
-                                                             finetune_step)),
-                               tf.no_op, name='maybe_update')]
+            # In inference the count is 0: the updates leave everything as it is
+            # (and, as the statistics come from the branch taken, wait for nothing).
+            updates = _update_ops(config, params, stats, finetune_step)
     if updates:
         if updates_collections is None:
             with tf.control_dependencies(updates):

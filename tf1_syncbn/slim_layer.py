@@ -73,10 +73,9 @@ def sync_batch_norm(inputs,
       4; or rank 5 with the default ``updates_collections`` and no
       ``zero_debias_moving_mean``), the Bessel-corrected (unbiased) variance
       of the global batch; elsewhere (``fused=False``, rank 3, the options
-      above) the biased one (the weighted one with ``batch_weights``). Where
-      slim is fused, epsilon is at least 1.001e-5, as in
-      ``tf.nn.fused_batch_norm``. This layer itself always uses its own fast
-      synchronized kernels, whichever variance it tracks.
+      above) the biased one (the weighted one with ``batch_weights``). This
+      layer itself always uses its own fast synchronized kernels, whichever
+      variance it tracks.
     * with ``renorm``: ``moving_stddev``, ``renorm_mean`` and
       ``renorm_stddev``, as Keras' renorm (which slim uses) names them. In
       renorm mode ``moving_variance`` is ``moving_stddev**2 - epsilon``, where
