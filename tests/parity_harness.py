@@ -168,3 +168,28 @@ def _unsplit(parts, rows):
     for part, r in zip(parts, rows):
         out[r] = part
     return out
+
+
+def assert_same_numbers(ours, ref, case, towers):
+    """Every array of ``ref`` (outputs, gradients, variables) equals ``ours``'s.
+
+    Float32 tolerances: ``1e-5`` relative for outputs and variables, ``1e-4``
+    for gradients (sums over the batch); ``case['tight']`` checks the moving
+    statistics to ``2e-6`` (what tells ``1 - decay`` in float32 from double at
+    decay 0.999); ``case['tolerance']`` scales them all (float16 inputs).
+    """
+    factor = case.get('tolerance', 1.0)
+    assert sorted(ours) == sorted(ref)
+    for key in sorted(ref):
+        expected = ref[key].astype(np.float64)
+        scale = max(np.abs(expected).max(), 1.0) if expected.size else 1.0
+        if key.startswith(('y/', 'eval')):
+            rtol, atol = 1e-5, 2e-5 * scale
+        elif key.startswith(('dx/', 'grad/')):
+            rtol, atol = 1e-4, 1e-4 * scale
+        elif case.get('tight') and 'moving' in key:
+            rtol, atol = 2e-6, 0.0
+        else:
+            rtol, atol = 1e-5, 1e-6 * scale
+        np.testing.assert_allclose(ours[key], expected, rtol=rtol * factor, atol=atol * factor,
+                                   err_msg='%s, %d tower(s): %s' % (case['name'], towers, key))

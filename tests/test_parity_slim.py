@@ -25,7 +25,7 @@ import pytest
 import tensorflow as tf
 
 from legacy_reference import run_reference
-from parity_harness import DEFAULT_SIZES, STEPS, train_case
+from parity_harness import DEFAULT_SIZES, STEPS, assert_same_numbers, train_case
 from tf1_syncbn import CollectiveBackend, sync_batch_norm
 
 tf1 = tf.compat.v1
@@ -193,24 +193,6 @@ def _ours(case, sizes):
         layer = functools.partial(sync_batch_norm, sync_statistics=CollectiveBackend(timeout=60))
     return train_case(lambda *args: slim_apply(layer, case, *args), case, CASES.index(case),
                       sizes)
-
-
-def assert_same_numbers(ours, ref, case, towers):
-    """Every recorded array of ``ref`` (outputs, gradients, variables) in ``ours``."""
-    assert sorted(ours) == sorted(ref)
-    for key in sorted(ref):
-        expected = ref[key].astype(np.float64)
-        scale = max(np.abs(expected).max(), 1.0) if expected.size else 1.0
-        if key.startswith(('y/', 'eval')):
-            rtol, atol = 1e-5, 2e-5 * scale
-        elif key.startswith(('dx/', 'grad/')):
-            rtol, atol = 1e-4, 1e-4 * scale
-        elif case.get('tight') and 'moving' in key:
-            rtol, atol = 2e-6, 0.0
-        else:
-            rtol, atol = 1e-5, 1e-6 * scale
-        np.testing.assert_allclose(ours[key], expected, rtol=rtol, atol=atol,
-                                   err_msg='%s, %d tower(s): %s' % (case['name'], towers, key))
 
 
 @pytest.mark.parametrize('case', CASES, ids=NAMES)
