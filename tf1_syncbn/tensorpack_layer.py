@@ -161,9 +161,16 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_UNSET, epsilo
     Variable names (under ``name``):
 
     * ``beta``, ``gamma``: offset and scale (when ``center`` / ``scale``).
-    * ``mean/EMA``, ``variance/EMA``: the moving statistics. The variance is
-      the Bessel-corrected variance of the (global) batch, like fused batch
-      norm (tensorpack's unfused 2-D path keeps the biased one).
+    * ``mean/EMA``, ``variance/EMA``: the moving statistics, never partitioned
+      (``beta``/``gamma`` follow the scope's partitioner). As in tensorpack's
+      single-device layer, the variance tracks the Bessel-corrected variance
+      of the (global) batch where tensorpack runs the fused kernel (4-D
+      inputs, and float16 5-D), and the biased one elsewhere (2-D inputs, a
+      virtual batch; ranks 3 and 5, which tensorpack rejects, follow its code
+      and are not fused). tensorpack's own synchronized path tracks the biased
+      ``E[x^2] - E[x]^2`` even on 4-D inputs: this layer follows its
+      single-device path instead, so N synchronized towers equal one device.
+      A step whose global batch is empty updates nothing.
     * ``finetune_count``: with ``finetune``, the number of averaged batches.
 
     When synchronization hangs, and how it fails instead (as for
@@ -180,11 +187,14 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_UNSET, epsilo
       name: the layer's variable scope.
       inputs: a rank 2 to 5 tensor (float16, bfloat16 or float32).
       axis: the channel axis (1 or the last); default from ``data_format``.
-      training: True uses batch statistics; False the moving statistics (and
+      training: a Python bool or a scalar bool tensor (anything else is a
+        TypeError; tensorpack would take ``bool(training)``, so that ``'False'``
+        trains). True uses batch statistics; False the moving statistics (and
         still trains beta/gamma: frozen statistics, warned once inside a
         training tower). None follows the tower context (True outside one).
-        A scalar bool tensor switches at run time.
-      momentum: decay of the moving averages (old name: ``decay``).
+        A tensor switches at run time.
+      momentum: decay of the moving averages (old name: ``decay``): a number
+        in [0, 1] or a float scalar tensor.
       epsilon: added to the variance.
       center, scale: learn ``beta`` / ``gamma`` (old names ``use_bias``,
         ``use_scale``).
@@ -303,6 +313,11 @@ def BatchRenorm(name, x, rmax, dmax, *, momentum=0.9, epsilon=1e-5, center=True,
     Variable names (under ``name``), as Keras' renorm layer (which tensorpack
     wraps) creates them: ``beta``, ``gamma``, ``moving_mean``,
     ``moving_variance``, ``moving_stddev``, ``renorm_mean``, ``renorm_stddev``.
+    As in tensorpack (non-fused Keras layer), ``moving_variance`` follows
+    ``moving_stddev``, which averages ``sqrt(var + epsilon)`` of the biased
+    batch variance. One difference: with ``gamma_initializer=None``,
+    tensorpack's ``gamma`` starts at Keras' default for weights
+    (``glorot_uniform``, random); here it starts at ones.
 
     The update ops go to ``UPDATE_OPS`` on the main training tower, or run
     inside the layer when synchronized (see :func:`BatchNorm` for when sync
@@ -311,7 +326,8 @@ def BatchRenorm(name, x, rmax, dmax, *, momentum=0.9, epsilon=1e-5, center=True,
     Args:
       name: the layer's variable scope.
       x: a rank 2 to 5 tensor.
-      rmax, dmax: the maximal corrections; Python numbers or scalar tensors.
+      rmax, dmax: the maximal corrections; Python numbers (checked:
+        ``rmax >= 1``, ``dmax >= 0``) or scalar tensors. ``rmin = 1 / rmax``.
       momentum: decay of the moving averages (old name: ``decay``).
       epsilon: added to the variance.
       center, scale: learn ``beta`` / ``gamma`` (old names: ``use_bias``,
