@@ -464,12 +464,9 @@ def _train_stats_and_output(config, params, info, x4, fmt):
     # Weighted moments, renorm (through moving_stddev) and fused=False follow the
     # replaced layer's non-fused path: the biased variance (set_replaced_path).
     target_var = _moving_variance_target(config, var, moments.count)
-    count = tf.stop_gradient(moments.count)
-    if weights is not None:
-        # A zero total weight carries no information: treat it as an empty batch.
-        count = tf.where(count > 0, count, tf.zeros_like(count))
-    return y, BatchStats(tf.stop_gradient(moments.mean), tf.stop_gradient(target_var), count,
-                         renorm_stats)
+    # (With batch_weights the count is the total weight: zero updates nothing.)
+    return y, BatchStats(tf.stop_gradient(moments.mean), tf.stop_gradient(target_var),
+                         tf.stop_gradient(moments.count), renorm_stats)
 
 
 def _ghost_train(config, gamma, beta, x4, fmt, backend, key):
