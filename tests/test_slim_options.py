@@ -323,3 +323,25 @@ def test_fused_false_inference_uses_separate_ops(graph, rng):
     with make_session(graph, 1) as sess:
         sess.run(tf1.global_variables_initializer())
         np.testing.assert_allclose(sess.run(y), x / np.sqrt(1 + 1e-3), rtol=1e-6)
+
+
+def test_zero_debias_in_a_partitioned_scope(graph, rng):
+    """slim partitions moving_mean/biased there and fails; nothing is partitioned here."""
+    x = tf1.placeholder(tf.float32, [None, 4])
+    with tf1.variable_scope('net', partitioner=tf1.fixed_size_partitioner(2)):
+        y = sync_batch_norm(x, decay=0.5, scale=True, zero_debias_moving_mean=True,
+                            updates_collections=None)
+    names = sorted(v.op.name for v in tf1.global_variables())
+    assert names == ['net/BatchNorm/beta/part_0', 'net/BatchNorm/beta/part_1',
+                     'net/BatchNorm/gamma/part_0', 'net/BatchNorm/gamma/part_1',
+                     'net/BatchNorm/moving_mean', 'net/BatchNorm/moving_variance',
+                     'net/BatchNorm/net/BatchNorm/moving_mean/biased',
+                     'net/BatchNorm/net/BatchNorm/moving_mean/local_step']
+    train = tf1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_sum(y * y))
+    data = (rng.randn(6, 4) + 3).astype(np.float32)
+    with make_session(graph, 1) as sess:
+        sess.run(tf1.global_variables_initializer())
+        sess.run(train, {x: data})
+        # One debiased step: the batch mean itself.
+        np.testing.assert_allclose(sess.run(var('net/BatchNorm/moving_mean')), data.mean(0),
+                                   rtol=1e-5)

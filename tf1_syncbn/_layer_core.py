@@ -39,6 +39,7 @@ Attributes:
     :func:`zero_debias_variables`), or None.
 """
 
+
 def replaced_layer_is_fused(fused, rank, fused_ranks, unfused_options):
     """Whether the replaced layer normalizes with TensorFlow's fused kernel.
 
@@ -69,6 +70,7 @@ def replaced_layer_is_fused(fused, rank, fused_ranks, unfused_options):
     """
     return (fused is not False and rank in fused_ranks and
             all(option is None or option is False for option in unfused_options))
+
 
 #: Collection of the batch counters of fine-tune mode (see start_finetuning).
 FINETUNE_COUNTERS = 'tf1_syncbn_finetune_counters'
@@ -211,9 +213,9 @@ class Config(object):
                              'must be known at graph build to create the variables.'
                              % (-1 if channels_last else 1, x.shape))
         self.channels = int(channels)
-        self._check_decay('momentum', self.momentum)
+        self.momentum = self._check_decay('momentum', self.momentum)
         self._check_number('epsilon', self.epsilon, 0.0, None)
-        self._check_decay('renorm_momentum', self.renorm_momentum)
+        self.renorm_momentum = self._check_decay('renorm_momentum', self.renorm_momentum)
         if not isinstance(self.is_training, bool):
             t = self.is_training
             if not isinstance(t, (tf.Tensor, tf.Variable)) or t.dtype.base_dtype != tf.bool \
@@ -271,13 +273,18 @@ class Config(object):
                 self.arg(name), value, low, high if high is not None else 'inf'))
 
     def _check_decay(self, name, value):
-        """A decay: a number in [0, 1], or a float scalar tensor (as slim accepts)."""
+        """A decay: a number in [0, 1], or a float scalar tensor (as slim accepts).
+
+        Returns:
+          The number, or the tensor as float32.
+        """
         if isinstance(value, (tf.Tensor, tf.Variable)):
             if not value.dtype.base_dtype.is_floating or value.shape.ndims not in (0, None):
                 raise self.error('%s must be a number or a float scalar tensor, got %r.'
                                  % (self.arg(name), value), TypeError)
-            return
+            return tf.cast(value, tf.float32)
         self._check_number(name, value, 0.0, 1.0)
+        return value
 
     def _check_renorm_clipping(self):
         """``0 < rmin <= 1 <= rmax`` and ``dmax >= 0`` where given as numbers."""
@@ -573,8 +580,8 @@ def _assign_moving_average(variable, value, decay, active, float32_decay=False):
         does (``assign_moving_average`` computes it in double).
     """
     with tf1.name_scope(None, 'AssignMovingAvg', [variable, value, decay]) as scope:
-        if float32_decay or not isinstance(decay, numbers.Real):
-            decay = tf.convert_to_tensor(decay, tf.float32)
+        if float32_decay and isinstance(decay, numbers.Real):
+            decay = tf.constant(decay, tf.float32)
         one_minus = tf.convert_to_tensor(1.0 - decay, name='decay')
         if one_minus.dtype != variable.dtype.base_dtype:
             one_minus = tf.cast(one_minus, variable.dtype.base_dtype)
@@ -630,8 +637,8 @@ def zero_debias_variables(moving_mean, model_variables):
     if model_variables:
         collections.append(tf1.GraphKeys.MODEL_VARIABLES)
     dtype = moving_mean.dtype.base_dtype
-    with tf1.variable_scope(moving_mean.op.name, partitioner=None), \
-            tf1.colocate_with(moving_mean.op):
+    with tf1.variable_scope(moving_mean.op.name) as scope, tf1.colocate_with(moving_mean.op):
+        scope.set_partitioner(None)
         biased = tf1.get_variable('biased', shape=moving_mean.shape, dtype=dtype,
                                   initializer=tf1.zeros_initializer(), trainable=False,
                                   collections=collections)
