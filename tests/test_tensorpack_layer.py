@@ -433,3 +433,11 @@ def test_partitioned_scope_partitions_beta_gamma_only(graph, rng, layer):
         sess.run(train, {x: data})
         np.testing.assert_allclose(sess.run(moving), 0.5 * data.reshape(-1, 4).mean(0),
                                    rtol=1e-5)
+
+
+def test_finetune_counter_in_a_partitioned_scope(graph):
+    with tf1.variable_scope('net', partitioner=tf1.fixed_size_partitioner(2)):
+        BatchNorm('bn', tf1.placeholder(tf.float32, [None, 4]), finetune=True)
+        sync_batch_norm(tf1.placeholder(tf.float32, [None, 4]), finetune=True, scope='sbn')
+    names = [v.op.name for v in tf1.global_variables()]
+    assert 'net/bn/finetune_count' in names and 'net/sbn/finetune_count' in names

@@ -67,8 +67,10 @@ _UNSET = _Unset()
 def _finetune_counter(finetune):
     if finetune is None:
         return None
-    counter = tf1.get_variable('finetune_count', [], tf.float32, tf1.zeros_initializer(),
-                               trainable=False)
+    with tf1.variable_scope(tf1.get_variable_scope()) as unpartitioned:
+        unpartitioned.set_partitioner(None)  # counters are never partitioned
+        counter = tf1.get_variable('finetune_count', [], tf.float32, tf1.zeros_initializer(),
+                                   trainable=False)
     if counter not in tf1.get_collection(core.FINETUNE_COUNTERS):
         tf1.add_to_collection(core.FINETUNE_COUNTERS, counter)
     return counter
