@@ -117,8 +117,9 @@ def check(results, workers, towers, epsilon=1e-3):
         error = max(error, float(np.abs(got - expected[start:start + len(got)]).max()))
         got_dx = np.concatenate([np.asarray(g) for g in result['input_grads']])
         error = max(error, float(np.abs(got_dx - expected_dx[start:start + len(got)]).max()))
-        error = max(error, float(np.abs(np.asarray(result['moving_variance']) -
-                                        var * n / (n - 1)).max()))
+        # Rank-3 inputs: slim.batch_norm's path is not fused there, and its moving
+        # variance (so ours) tracks the biased batch variance.
+        error = max(error, float(np.abs(np.asarray(result['moving_variance']) - var).max()))
     return error
 
 

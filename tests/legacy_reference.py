@@ -24,6 +24,11 @@ for _name in ('normalization', 'base', 'core', 'convolutional', 'pooling'):
                                importlib.import_module('tf_keras.src.legacy_tf_layers.' + _name))
     except ImportError:
         pass
+# tf-slim 1.1's layers.utils.constant_value (used by its fused and non-fused
+# batch_norm paths) reads ops.Tensor, which TF 2.21 moved to framework.tensor.
+from tensorflow.python.framework import ops as _ops, tensor as _tensor
+if not hasattr(_ops, 'Tensor'):
+    _ops.Tensor = _tensor.Tensor
 '''
 
 

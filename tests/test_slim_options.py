@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import tensorflow as tf
+import tf_slim as slim
 
 from bn_reference import bn_backward, bn_forward, build_towers, split_batches, var
 from conftest import make_session
@@ -128,12 +129,24 @@ def test_batch_weights_give_weighted_global_moments(graph, rng, sync):
     np.testing.assert_allclose(values['BatchNorm/moving_variance'], evar, rtol=1e-5)
 
 
-@pytest.mark.parametrize('option', [dict(batch_weights=np.ones(4, np.float32)), dict(renorm=True),
+@pytest.mark.parametrize('option', [dict(batch_weights=np.ones(8, np.float32)), dict(renorm=True),
                                     dict(adjustment=lambda s: (1.0, 0.0))])
-def test_unfusable_options_with_fused_true(graph, option):
-    x = tf1.placeholder(tf.float32, [None, 3])
-    with pytest.raises(ValueError, match='fused=True cannot be used with %s' % list(option)[0]):
-        sync_batch_norm(x, fused=True, **option)
+def test_fused_true_is_a_hint_that_falls_back_silently(graph, rng, option):
+    """As in slim: an arg_scope with fused=True over a layer that cannot be fused."""
+    x = (rng.randn(8, 3) * 2 + 1).astype(np.float32)
+    outputs = []
+    for fused in (True, None):
+        with slim.arg_scope([sync_batch_norm], fused=fused):
+            outputs.append(sync_batch_norm(tf.constant(x), decay=0.5, scope='bn%s' % fused,
+                                           updates_collections=None, **option))
+    with make_session(graph, 1) as sess:
+        sess.run(tf1.global_variables_initializer())
+        y_true, y_none = sess.run(outputs)
+        stats = sess.run([var('bn%s/moving_%s' % (f, s)) for f in (True, None)
+                          for s in ('mean', 'variance')])
+    np.testing.assert_array_equal(y_true, y_none)
+    np.testing.assert_array_equal(stats[0], stats[2])
+    np.testing.assert_array_equal(stats[1], stats[3])
 
 
 def test_batch_weights_shape_is_checked(graph):
@@ -310,3 +323,25 @@ def test_fused_false_inference_uses_separate_ops(graph, rng):
     with make_session(graph, 1) as sess:
         sess.run(tf1.global_variables_initializer())
         np.testing.assert_allclose(sess.run(y), x / np.sqrt(1 + 1e-3), rtol=1e-6)
+
+
+def test_zero_debias_in_a_partitioned_scope(graph, rng):
+    """slim partitions moving_mean/biased there and fails; nothing is partitioned here."""
+    x = tf1.placeholder(tf.float32, [None, 4])
+    with tf1.variable_scope('net', partitioner=tf1.fixed_size_partitioner(2)):
+        y = sync_batch_norm(x, decay=0.5, scale=True, zero_debias_moving_mean=True,
+                            updates_collections=None)
+    names = sorted(v.op.name for v in tf1.global_variables())
+    assert names == ['net/BatchNorm/beta/part_0', 'net/BatchNorm/beta/part_1',
+                     'net/BatchNorm/gamma/part_0', 'net/BatchNorm/gamma/part_1',
+                     'net/BatchNorm/moving_mean', 'net/BatchNorm/moving_variance',
+                     'net/BatchNorm/net/BatchNorm/moving_mean/biased',
+                     'net/BatchNorm/net/BatchNorm/moving_mean/local_step']
+    train = tf1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_sum(y * y))
+    data = (rng.randn(6, 4) + 3).astype(np.float32)
+    with make_session(graph, 1) as sess:
+        sess.run(tf1.global_variables_initializer())
+        sess.run(train, {x: data})
+        # One debiased step: the batch mean itself.
+        np.testing.assert_allclose(sess.run(var('net/BatchNorm/moving_mean')), data.mean(0),
+                                   rtol=1e-5)

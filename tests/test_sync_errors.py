@@ -36,7 +36,22 @@ def ph(shape, dtype=tf.float32):
     (lambda: ph([None, 3]), dict(param_initializers=[1]), TypeError, 'dict'),
     (lambda: ph([None, 3]), dict(is_training='yes'), TypeError, 'is_training'),
     (lambda: ph([None, 3]), dict(is_training=ph([2], tf.bool)), TypeError, 'is_training'),
-    (lambda: ph([None, 3]), dict(decay=1.5), ValueError, 'momentum'),
+    (lambda: ph([None, 3]), dict(decay=1.5), ValueError, r'decay=1\.5 is outside'),
+    (lambda: ph([None, 3]), dict(decay='0.9'), TypeError, 'decay must be a number'),
+    (lambda: ph([None, 3]), dict(decay=ph([2])), TypeError, 'decay must be a number or a float '
+     'scalar tensor'),
+    (lambda: ph([None, 3]), dict(renorm=True, renorm_decay=-0.1), ValueError,
+     r'renorm_decay=-0\.1 is outside'),
+    (lambda: ph([None, 3]), dict(renorm=True, renorm_clipping={'rmax': 0.5}), ValueError,
+     r"renorm_clipping\['rmax'\]=0\.5 is invalid: .*0 < rmin <= 1 <= rmax and dmax >= 0"),
+    (lambda: ph([None, 3]), dict(renorm=True, renorm_clipping={'rmin': 2.0}), ValueError,
+     r"renorm_clipping\['rmin'\]=2\.0 is invalid"),
+    (lambda: ph([None, 3]), dict(renorm=True, renorm_clipping={'rmin': 0.0}), ValueError,
+     r"renorm_clipping\['rmin'\]=0\.0 is invalid"),
+    (lambda: ph([None, 3]), dict(renorm=True, renorm_clipping={'dmax': -1.0}), ValueError,
+     r"renorm_clipping\['dmax'\]=-1\.0 is invalid"),
+    (lambda: ph([None, 3]), dict(renorm=True, renorm_clipping={'dmax': '1'}), TypeError,
+     r"renorm_clipping\['dmax'\] must be a number or a tensor"),
     (lambda: ph([None, 3]), dict(epsilon=-1.0), ValueError, 'epsilon'),
     (lambda: ph([None, 3]), dict(num_dev=0), ValueError, 'num_dev'),
     (lambda: ph([None, 3]), dict(num_dev=2), ValueError, 'outside any tower'),
@@ -48,6 +63,16 @@ def test_bad_input_names_the_layer(graph, make, kwargs, exc, match):
     with pytest.raises(exc, match=match) as info:
         sync_batch_norm(make(), scope='my_bn', **kwargs)
     assert 'sync_batch_norm' in str(info.value)
+
+
+def test_decay_and_renorm_clipping_may_be_tensors(graph):
+    """slim accepts a tensor decay; tensors cannot be checked at build: accepted."""
+    x = ph([None, 3])
+    sync_batch_norm(x, decay=ph([]), scope='a')
+    sync_batch_norm(x, decay=tf.constant(0.9), renorm=True, renorm_decay=ph([]), scope='b',
+                    renorm_clipping={'rmax': ph([]), 'rmin': ph([]), 'dmax': ph([])})
+    sync_batch_norm(x, renorm=True, renorm_clipping={'rmax': 1.0, 'rmin': 1.0, 'dmax': 0.0},
+                    scope='c')
 
 
 def test_num_dev_must_agree_with_towers(graph):

@@ -71,3 +71,68 @@ def test_prediction_towers_do_not_sync_or_update(graph):
                         ['/cpu:0', '/cpu:1'], is_training=False)
     assert not tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
     assert not [op for op in graph.get_operations() if op.type.startswith('Collective')]
+
+
+# --- an empty global batch ------------------------------------------------------------
+
+def _empty_batch_layer(options, towers):
+    """A layer call for test_an_empty_global_batch_updates_nothing, and its extra feed."""
+    from tf1_syncbn import BatchNorm, BatchRenorm  # noqa: PLC0415
+    kwargs = dict(options)
+    extra = []
+    backend = CollectiveBackend(timeout=60) if towers > 1 else None
+    layer = kwargs.pop('layer', 'slim')
+
+    def fn(x):
+        if layer == 'BatchNorm':
+            return BatchNorm('bn', x, momentum=0.5, sync_statistics=backend, **kwargs)
+        if layer == 'BatchRenorm':
+            return BatchRenorm('bn', x, 1.5, 0.5, momentum=0.5, sync_statistics=backend)
+        kw = dict(kwargs)
+        if kw.pop('batch_weights', None):
+            w = tf1.placeholder(tf.float32, [None])
+            extra.append(w)
+            kw['batch_weights'] = w
+        return sync_batch_norm(
+            x, decay=0.5, scale=True, sync_statistics=backend or 'auto',
+            param_initializers={'moving_mean': tf1.constant_initializer(2.0),
+                                'moving_variance': tf1.constant_initializer(3.0)}, **kw)
+    return fn, extra
+
+
+@pytest.mark.parametrize('towers', [1, 2])
+@pytest.mark.parametrize('options', [
+    {}, {'updates_collections': None}, {'fused': False}, {'renorm': True},
+    {'zero_debias_moving_mean': True}, {'finetune': True}, {'batch_weights': True},
+    {'layer': 'BatchNorm'}, {'layer': 'BatchNorm', 'virtual_batch_size': 2},
+    {'layer': 'BatchRenorm'}], ids=lambda o: '-'.join('%s=%s' % kv for kv in o.items()) or
+    'default')
+def test_an_empty_global_batch_updates_nothing(graph, rng, towers, options):
+    """Nothing was seen, so no moving statistic, shadow or counter moves (decay 0.5)."""
+    fn, weights = _empty_batch_layer(options, towers)
+    net = build_towers(fn, towers, (None, 2, 3))
+    updates = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
+    variables = tf1.global_variables()
+    with make_session(graph, towers) as sess:
+        sess.run(tf1.global_variables_initializer())
+        x = (rng.randn(4 * towers, 2, 3) * 2 + 5).astype(np.float32)
+        feed = dict(zip(net['xs'], np.split(x, towers)))
+        feed.update({w: np.ones(4, np.float32) for w in weights})
+        sess.run([net['ys'], updates], feed)  # one ordinary step: everything moves
+        before = sess.run(variables)
+        empty = np.zeros((0, 2, 3), np.float32)
+        feed = {x_ph: empty for x_ph in net['xs']}
+        feed.update({w: np.zeros(0, np.float32) for w in weights})
+        ys, _ = sess.run([net['ys'], updates], feed)
+        after = sess.run(variables)
+        if weights:
+            # Examples whose weights are all zero carry no statistics either.
+            feed = dict(zip(net['xs'], np.split(x, towers)))
+            feed.update({w: np.zeros(4, np.float32) for w in weights})
+            sess.run([net['ys'], updates], feed)
+            for v, b, a in zip(variables, before, sess.run(variables)):
+                np.testing.assert_array_equal(a, b, err_msg=v.op.name)
+    assert ys[0].shape == (0, 2, 3)
+    for v, b, a in zip(variables, before, after):
+        np.testing.assert_array_equal(a, b, err_msg=v.op.name)
+    assert any(np.any(b != 0) and 'mean' in v.op.name for v, b in zip(variables, before))

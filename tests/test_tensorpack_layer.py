@@ -99,11 +99,17 @@ def test_training_follows_the_tower_context(graph, rng):
         np.testing.assert_allclose(sess.run(y, {x: data}), data / np.sqrt(1 + EPS), rtol=1e-6)
 
 
-def test_prediction_towers_update_nothing_even_with_batch_statistics(graph):
-    call_for_each_tower(lambda: BatchNorm('bn', tf1.placeholder(tf.float32, [None, 3]),
-                                          training=True, ema_update='internal'),
-                        ['/cpu:0', '/cpu:1'], is_training=False)
+def test_prediction_towers_update_only_when_asked_for_batch_statistics(graph):
+    # tensorpack's rule: do_ema_update = training and (is_main_training_tower or
+    # not ctx.is_training). training=None follows the tower: no batch statistics,
+    # no update; an explicit training=True in a prediction tower updates.
+    with TowerContext('pred', is_training=False):
+        BatchNorm('bn', tf1.placeholder(tf.float32, [None, 3]), ema_update='internal')
     assert not [op for op in graph.get_operations() if 'AssignMovingAvg' in op.name]
+    with TowerContext('pred2', is_training=False):
+        BatchNorm('bn2', tf1.placeholder(tf.float32, [None, 3]), training=True,
+                  ema_update='internal')
+    assert [op for op in graph.get_operations() if op.name.startswith('pred2/bn2/AssignMovingAvg')]
 
 
 def test_frozen_statistics_warn_once(graph, caplog):
@@ -238,10 +244,12 @@ def test_finetune_gives_exact_population_statistics_across_towers(graph, rng, la
         fn = lambda x: BatchNorm('bn', x, momentum=0.9, finetune=switch,
                                  sync_statistics=_collective())
         mm_v, mv_v = lambda: var('bn/mean/EMA'), lambda: var('bn/variance/EMA')
+        variance = 'var'  # tensorpack's 2-D path is not fused: the biased variance
     else:
         fn = lambda x: sync_batch_norm(x, decay=0.9, finetune=switch, scope='bn',
                                        updates_collections=None, sync_statistics=_collective())
         mm_v, mv_v = lambda: var('bn/moving_mean'), lambda: var('bn/moving_variance')
+        variance = 'var_unbiased'  # slim's 2-D path is fused: the unbiased variance
     net = build_towers(fn, 3, (None, 3))
     reset = start_finetuning()
     batches = [(rng.randn(9, 3) * (k + 1) + k).astype(np.float32) for k in range(6)]
@@ -262,7 +270,7 @@ def test_finetune_gives_exact_population_statistics_across_towers(graph, rng, la
         np.testing.assert_allclose(sess.run(mm_v()), np.mean([s['mean'] for s in stats], 0),
                                    rtol=1e-5)
         np.testing.assert_allclose(sess.run(mv_v()),
-                                   np.mean([s['var_unbiased'] for s in stats], 0), rtol=1e-5)
+                                   np.mean([s[variance] for s in stats], 0), rtol=1e-5)
         # Restart: the average covers only the batches after the reset.
         sess.run(reset)
         for b in batches[4:]:
@@ -364,3 +372,79 @@ def test_parity_with_tensorpack_and_checkpoint_restore(graph, tmp_path):
             expected = ((data - mean) / np.sqrt(variance + EPS) * ref['var/bn0/gamma'] +
                         ref['var/bn0/beta'])
             np.testing.assert_allclose(sess.run(y, {x: data}), expected, rtol=1e-5, atol=1e-5)
+
+
+# --- argument checks, named as the user spelled them ------------------------------------
+
+@pytest.mark.parametrize('kwargs,exc,match', [
+    (dict(training='False'), TypeError, 'training must be a Python bool or a scalar bool'),
+    (dict(training=1), TypeError, 'training must be'),
+    (dict(training=np.bool_(True)), TypeError, 'training must be'),
+    (dict(use_local_stat='True'), TypeError, 'use_local_stat must be'),
+    (dict(momentum=1.5), ValueError, r'momentum=1\.5 is outside'),
+    (dict(decay=1.5), ValueError, r'decay=1\.5 is outside'),
+    (dict(momentum='0.9'), TypeError, 'momentum must be a number'),
+])
+def test_batch_norm_arguments_are_checked(graph, kwargs, exc, match):
+    with pytest.raises(exc, match=match) as info:
+        BatchNorm('bn', tf1.placeholder(tf.float32, [None, 3]), **kwargs)
+    assert 'BatchNorm(bn)' in str(info.value)
+
+
+def test_batch_norm_training_may_be_a_bool_tensor(graph, rng):
+    switch = tf1.placeholder(tf.bool, [])
+    x = tf1.placeholder(tf.float32, [None, 3])
+    y = BatchNorm('bn', x, training=switch, momentum=tf.constant(0.5))
+    data = (rng.randn(4, 3) * 2 + 1).astype(np.float32)
+    with make_session(graph, 1) as sess:
+        sess.run(tf1.global_variables_initializer())
+        out = sess.run(y, {x: data, switch: True})
+        np.testing.assert_allclose(out, bn_forward(data, 1, 0, EPS)['y'], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(sess.run(y, {x: data, switch: False}),
+                                   data / np.sqrt(1 + EPS), rtol=1e-5)
+
+
+@pytest.mark.parametrize('rmax,dmax,exc,match', [
+    (0.5, 1.0, ValueError, r'rmax=0\.5 is invalid: .*0 < rmin <= 1 <= rmax and dmax >= 0'),
+    (0, 1.0, ValueError, 'rmax=0 is invalid'),
+    (-2.0, 1.0, ValueError, r'rmax=-2\.0 is invalid'),
+    (2.0, -1.0, ValueError, r'dmax=-1\.0 is invalid'),
+    ('3', 1.0, TypeError, 'rmax must be a number or a tensor'),
+])
+def test_batch_renorm_limits_are_checked(graph, rmax, dmax, exc, match):
+    with pytest.raises(exc, match=match) as info:
+        BatchRenorm('brn', tf1.placeholder(tf.float32, [None, 4, 4, 3]), rmax, dmax)
+    assert 'BatchRenorm(brn)' in str(info.value)
+    BatchRenorm('ok', tf1.placeholder(tf.float32, [None, 4, 4, 3]), 1.0, 0.0)
+
+
+@pytest.mark.parametrize('layer', ['BatchNorm', 'BatchRenorm'])
+def test_partitioned_scope_partitions_beta_gamma_only(graph, rng, layer):
+    x = tf1.placeholder(tf.float32, [None, 2, 2, 4])
+    with tf1.variable_scope('net', partitioner=tf1.fixed_size_partitioner(2)):
+        if layer == 'BatchNorm':
+            y = BatchNorm('bn', x, momentum=0.5)
+        else:
+            y = BatchRenorm('bn', x, 1.5, 0.5, momentum=0.5, gamma_initializer=None)
+    names = sorted(v.op.name for v in tf1.global_variables())
+    assert [n for n in names if 'part_' in n] == [
+        'net/bn/beta/part_0', 'net/bn/beta/part_1', 'net/bn/gamma/part_0', 'net/bn/gamma/part_1']
+    updates = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
+    with tf.control_dependencies(updates):
+        train = tf1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_sum(y * y))
+    data = (rng.randn(4, 2, 2, 4) + 3).astype(np.float32)
+    moving = tf1.global_variables('net/bn/mean/EMA' if layer == 'BatchNorm'
+                                  else 'net/bn/moving_mean')[0]
+    with make_session(graph, 1) as sess:
+        sess.run(tf1.global_variables_initializer())
+        sess.run(train, {x: data})
+        np.testing.assert_allclose(sess.run(moving), 0.5 * data.reshape(-1, 4).mean(0),
+                                   rtol=1e-5)
+
+
+def test_finetune_counter_in_a_partitioned_scope(graph):
+    with tf1.variable_scope('net', partitioner=tf1.fixed_size_partitioner(2)):
+        BatchNorm('bn', tf1.placeholder(tf.float32, [None, 4]), finetune=True)
+        sync_batch_norm(tf1.placeholder(tf.float32, [None, 4]), finetune=True, scope='sbn')
+    names = [v.op.name for v in tf1.global_variables()]
+    assert 'net/bn/finetune_count' in names and 'net/sbn/finetune_count' in names

@@ -12,7 +12,6 @@ import numbers
 import warnings
 
 import tensorflow as tf
-from tensorflow.python.training import moving_averages
 
 from tf1_syncbn import _engine, _math, backends
 from tower import TowerContext, get_current_tower_context, tower_index_from_name
@@ -29,14 +28,51 @@ _FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32)
 _RENORM_CLIPPING_KEYS = ('rmax', 'rmin', 'dmax')
 
 Params = collections.namedtuple('Params', ['beta', 'gamma', 'moving_mean', 'moving_variance',
-                                           'renorm', 'finetune_count'],
-                                defaults=(None, None))
+                                           'renorm', 'finetune_count', 'zero_debias'],
+                                defaults=(None, None, None))
 Params.__doc__ = """The variables of one layer (``beta``/``gamma`` may be None).
+
+``beta`` and ``gamma`` may be partitioned; the others never are.
 
 Attributes:
   renorm: :class:`RenormVariables` or None.
   finetune_count: the batch counter of fine-tune mode, or None.
+  zero_debias: ``(biased, local_step)`` of a zero-debiased moving mean (see
+    :func:`zero_debias_variables`), or None.
 """
+
+
+def replaced_layer_is_fused(fused, rank, fused_ranks, unfused_options):
+    """Whether the replaced layer normalizes with TensorFlow's fused kernel.
+
+    tf-slim 1.1 and tensorpack 0.11 each run ``tf.nn.fused_batch_norm`` on
+    some inputs and ``tf.nn.moments`` / ``tf.nn.batch_normalization`` on the
+    others, and what they compute follows the path:
+
+    * fused: the moving variance tracks the kernel's Bessel-corrected
+      (unbiased) batch variance;
+    * not fused: the moving variance tracks the biased batch variance (or
+      the weighted variance, or, with renorm, ``moving_stddev``).
+
+    The layers here keep their own (synchronized) kernels whatever the answer;
+    only the tracked variance follows the replaced layer.
+
+    Args:
+      fused: the replaced layer's ``fused`` hint: None or True where a fused
+        kernel applies, False never.
+      rank: the input rank.
+      fused_ranks: the ranks for which the replaced layer has a fused path,
+        given its other options (slim: 2, 4, and 5 on its Keras path).
+      unfused_options: values of the options that no fused kernel computes
+        (``batch_weights``, ``renorm``, ``adjustment``, a virtual batch):
+        any of them not None and not False means the non-fused path.
+
+    Returns:
+      A Python bool.
+    """
+    return (fused is not False and rank in fused_ranks and
+            all(option is None or option is False for option in unfused_options))
+
 
 #: Collection of the batch counters of fine-tune mode (see start_finetuning).
 FINETUNE_COUNTERS = 'tf1_syncbn_finetune_counters'
@@ -89,8 +125,10 @@ class Config(object):
                  epsilon=1e-3, center=True, scale=True, batch_weights=None, fused=None,
                  renorm=False, renorm_clipping=None, renorm_momentum=0.99, adjustment=None,
                  num_dev=None, sync_statistics=None, zero_debias=False, axis=None,
-                 virtual_batch_size=None):
+                 virtual_batch_size=None, arg_names=None):
         self.layer = layer
+        # The user's spelling of each argument, for error messages.
+        self.arg_names = dict(arg_names or {})
         self.inputs = inputs
         self.data_format = data_format
         self.is_training = is_training
@@ -111,9 +149,29 @@ class Config(object):
         self.virtual_batch_size = virtual_batch_size
         self.channels_last = True
         self.channels = None
+        # What the replaced layer does (see set_replaced_path).
+        self.unbiased_variance = True
+        self.float32_decay = False
 
     def error(self, message, exc=ValueError):
         return exc('%s: %s' % (self.layer, message))
+
+    def arg(self, name):
+        """The name under which the user passed the option ``name``."""
+        return self.arg_names.get(name, name)
+
+    def set_replaced_path(self, fused, float32_decay=False):
+        """Follows the replaced layer's path (see :func:`replaced_layer_is_fused`).
+
+        Args:
+          fused: whether the replaced layer runs its fused kernel here: the
+            moving variance then tracks the unbiased variance, otherwise the
+            biased one.
+          float32_decay: the replaced layer computes ``1 - decay`` in float32
+            (Keras' fused path does), not in double.
+        """
+        self.unbiased_variance = bool(fused)
+        self.float32_decay = bool(float32_decay)
 
     def validate(self):
         """Checks every option and the input; fills ``channels`` and ``channels_last``."""
@@ -157,28 +215,20 @@ class Config(object):
                              'must be known at graph build to create the variables.'
                              % (-1 if channels_last else 1, x.shape))
         self.channels = int(channels)
-        self._check_number('momentum', self.momentum, 0.0, 1.0)
+        self.momentum = self._check_decay('momentum', self.momentum)
         self._check_number('epsilon', self.epsilon, 0.0, None)
-        self._check_number('renorm_decay', self.renorm_momentum, 0.0, 1.0)
+        self.renorm_momentum = self._check_decay('renorm_momentum', self.renorm_momentum)
         if not isinstance(self.is_training, bool):
             t = self.is_training
             if not isinstance(t, (tf.Tensor, tf.Variable)) or t.dtype.base_dtype != tf.bool \
                     or t.shape.ndims not in (0, None):
-                raise self.error('is_training must be a Python bool or a scalar bool tensor, '
-                                 'got %r.' % (t,), TypeError)
+                raise self.error('%s must be a Python bool or a scalar bool tensor, got %r.'
+                                 % (self.arg('is_training'), t), TypeError)
         if self.num_dev is not None and (isinstance(self.num_dev, bool) or
                                          not isinstance(self.num_dev, int) or self.num_dev < 1):
             raise self.error('num_dev must be a positive int or None, got %r.' % (self.num_dev,))
         if self.fused not in (None, True, False):
             raise self.error('fused must be None, True or False, got %r.' % (self.fused,))
-        if self.fused:
-            for option, value in (('batch_weights', self.batch_weights),
-                                  ('renorm', self.renorm or None),
-                                  ('adjustment', self.adjustment),
-                                  ('virtual_batch_size', self.virtual_batch_size)):
-                if value is not None:
-                    raise self.error('fused=True cannot be used with %s (no fused kernel '
-                                     'computes it); use fused=None or False.' % option)
         if self.batch_weights is not None:
             self.batch_weights = tf.convert_to_tensor(self.batch_weights)
             w = self.batch_weights
@@ -190,6 +240,7 @@ class Config(object):
         if self.renorm:
             self.renorm_clipping = check_dict_keys(self.layer, 'renorm_clipping',
                                                    self.renorm_clipping, _RENORM_CLIPPING_KEYS)
+            self._check_renorm_clipping()
         elif self.renorm_clipping:
             raise self.error('renorm_clipping is given but renorm=False; set renorm=True.')
         if self.adjustment is not None and not callable(self.adjustment):
@@ -218,12 +269,41 @@ class Config(object):
 
     def _check_number(self, name, value, low, high):
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            if isinstance(value, (tf.Tensor, tf.Variable)) and name == 'renorm_decay':
-                return
-            raise self.error('%s must be a number, got %r.' % (name, value), TypeError)
+            raise self.error('%s must be a number, got %r.' % (self.arg(name), value), TypeError)
         if value < low or (high is not None and value > high):
-            raise self.error('%s=%r is outside [%s, %s].' % (name, value, low,
-                                                             high if high is not None else 'inf'))
+            raise self.error('%s=%r is outside [%s, %s].' % (
+                self.arg(name), value, low, high if high is not None else 'inf'))
+
+    def _check_decay(self, name, value):
+        """A decay: a number in [0, 1], or a float scalar tensor (as slim accepts).
+
+        Returns:
+          The number, or the tensor as float32.
+        """
+        if isinstance(value, (tf.Tensor, tf.Variable)):
+            if not value.dtype.base_dtype.is_floating or value.shape.ndims not in (0, None):
+                raise self.error('%s must be a number or a float scalar tensor, got %r.'
+                                 % (self.arg(name), value), TypeError)
+            return tf.cast(value, tf.float32)
+        self._check_number(name, value, 0.0, 1.0)
+        return value
+
+    def _check_renorm_clipping(self):
+        """``0 < rmin <= 1 <= rmax`` and ``dmax >= 0`` where given as numbers."""
+        limits = {'rmin': (0.0, 1.0), 'rmax': (1.0, None), 'dmax': (0.0, None)}
+        for key in _RENORM_CLIPPING_KEYS:
+            value = self.renorm_clipping.get(key)
+            if value is None or isinstance(value, (tf.Tensor, tf.Variable)):
+                continue  # None: no clipping; tensors are checked by nobody, as in Keras
+            name = self.arg_names.get(key, 'renorm_clipping[%r]' % key)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise self.error('%s must be a number or a tensor, got %r.' % (name, value),
+                                 TypeError)
+            low, high = limits[key]
+            if value < low or (key == 'rmin' and value == 0) or (high is not None and
+                                                               value > high):
+                raise self.error('%s=%r is invalid: Batch Renormalization needs '
+                                 '0 < rmin <= 1 <= rmax and dmax >= 0.' % (name, value))
 
     @property
     def needs_slow_path(self):
@@ -409,12 +489,33 @@ def _vector(value, default):
     return tf.convert_to_tensor(value)
 
 
+class BatchStats(collections.namedtuple('BatchStats', ['mean', 'variance', 'count', 'renorm'])):
+    """What one training step feeds the moving averages (no gradient).
+
+    Attributes:
+      mean: float32 ``[C]``, the global batch mean.
+      variance: float32 ``[C]``, the variance the moving variance tracks: the
+        unbiased or the biased one, as the replaced layer's path (see
+        :func:`replaced_layer_is_fused`).
+      count: float32 scalar, elements per channel in the global batch (or
+        total weight); 0 means an empty global batch: nothing is updated.
+      renorm: ``(mean, stddev)`` for the renorm statistics, or None.
+    """
+
+
+def _moving_variance_target(config, variance, count):
+    """The batch variance the moving variance tracks, from the biased one."""
+    if config.unbiased_variance:
+        return _math.bessel_correct(variance, count)
+    return variance
+
+
 def _train_stats_and_output(config, params, info, x4, fmt):
     """Training mode: normalizes with global batch statistics.
 
     Returns:
-      ``(y, mean, moving_variance_target, renorm_stats)`` where ``mean`` and
-      ``moving_variance_target`` feed the moving averages (no gradient).
+      ``(y, stats)``: the output, and the :class:`BatchStats` that feed the
+      moving averages.
     """
     channels = config.channels
     ones = tf.ones([channels], tf.float32)
@@ -425,12 +526,20 @@ def _train_stats_and_output(config, params, info, x4, fmt):
     if not config.needs_slow_path:
         if backend is None:
             y4, mean, var_unbiased = _math.fused_train(x4, gamma, beta, config.epsilon, fmt)
-            return (_restore(y4, config.inputs), tf.stop_gradient(mean),
-                    tf.stop_gradient(var_unbiased), None)
+            count = _math.count_per_channel(x4, fmt)
+            if not config.unbiased_variance:
+                # The kernel's variance is M2 / max(n - 1, 1).
+                var_unbiased = var_unbiased * (tf.maximum(count - 1.0, 0.0) /
+                                               tf.maximum(count, 1.0))
+            return (_restore(y4, config.inputs),
+                    BatchStats(tf.stop_gradient(mean), tf.stop_gradient(var_unbiased), count,
+                               None))
         y4, moments = _engine.train_normalize(x4, fmt, gamma, beta, config.epsilon, backend, key,
                                               control_inputs=guard)
-        return (_restore(y4, config.inputs), moments.mean,
-                _math.bessel_correct(moments.variance, moments.count), None)
+        return (_restore(y4, config.inputs),
+                BatchStats(moments.mean,
+                           _moving_variance_target(config, moments.variance, moments.count),
+                           moments.count, None))
 
     if config.virtual_batch_size is not None:
         return _ghost_train(config, gamma, beta, x4, fmt, backend, key, guard)
@@ -462,13 +571,12 @@ def _train_stats_and_output(config, params, info, x4, fmt):
     g = tf.reshape(gamma, oshape)
     scale, offset = scale * g, offset * g + tf.reshape(beta, oshape)
     y = xhat * tf.cast(scale, xhat.dtype) + tf.cast(offset, xhat.dtype)
-    if weights is None and not config.renorm:
-        target_var = _math.bessel_correct(var, moments.count)
-    else:
-        # Weighted moments have no Bessel correction; renorm tracks the biased
-        # variance through moving_stddev, as Keras (and so slim) does.
-        target_var = var
-    return (y, tf.stop_gradient(moments.mean), tf.stop_gradient(target_var), renorm_stats)
+    # Weighted moments, renorm (through moving_stddev) and fused=False follow the
+    # replaced layer's non-fused path: the biased variance (set_replaced_path).
+    target_var = _moving_variance_target(config, var, moments.count)
+    # (With batch_weights the count is the total weight: zero updates nothing.)
+    return y, BatchStats(tf.stop_gradient(moments.mean), tf.stop_gradient(target_var),
+                         tf.stop_gradient(moments.count), renorm_stats)
 
 
 def _ghost_train(config, gamma, beta, x4, fmt, backend, key, guard):
@@ -500,8 +608,14 @@ def _ghost_train(config, gamma, beta, x4, fmt, backend, key, guard):
     bshape = _math.broadcast_shape(fmt, config.channels)
     y4 = xhat4 * tf.cast(tf.reshape(gamma, bshape), xhat4.dtype) + \
         tf.cast(tf.reshape(beta, bshape), xhat4.dtype)
-    return (_restore(y4, config.inputs), tf.stop_gradient(mean[0]), tf.stop_gradient(var[0]),
-            None)
+    # Every member has the same batch size: an empty local batch is an empty
+    # global one. The first virtual batch, or zeros when there is none.
+    zeros = tf.zeros([1, config.channels], tf.float32)
+    first_mean = tf.concat([mean, zeros], 0)[0]
+    first_var = tf.concat([var, zeros], 0)[0]
+    count = tf.cast(groups, tf.float32)
+    return (_restore(y4, config.inputs),
+            BatchStats(tf.stop_gradient(first_mean), tf.stop_gradient(first_var), count, None))
 
 
 def _renorm_correction(config, renorm_vars, mean, var):
@@ -547,34 +661,151 @@ def _infer_output(config, params, x4, fmt):
         return ((x - tf.cast(tf.reshape(mean, shape), x.dtype)) *
                 tf.cast(tf.reshape(scale, shape), x.dtype) + tf.cast(tf.reshape(beta, shape),
                                                                       x.dtype))
-    y4, _ = _math.normalize(x4, gamma, beta, mean, variance, config.epsilon, fmt)
+    # Named as tf.nn.fused_batch_norm (and so slim) names it.
+    y4, _ = _math.normalize(x4, gamma, beta, mean, variance, config.epsilon, fmt,
+                            name='FusedBatchNormV3')
     return _restore(y4, config.inputs)
 
 
-def _update_ops(config, params, mean, variance, renorm_stats, decay=None):
-    """The moving-average assignments of one training step."""
-    momentum = config.momentum if decay is None else decay
-    ops = [moving_averages.assign_moving_average(params.moving_mean, mean, momentum,
-                                                 zero_debias=config.zero_debias,
-                                                 name='update_moving_mean')]
-    if renorm_stats is None:
-        ops.append(moving_averages.assign_moving_average(
-            params.moving_variance, variance, momentum, zero_debias=False,
-            name='update_moving_variance'))
-        return ops
-    rmean, rstd = renorm_stats
-    moving_stddev = moving_averages.assign_moving_average(
-        params.renorm.moving_stddev, rstd, momentum, zero_debias=False,
-        name='update_moving_stddev')
-    ops.append(tf1.assign(params.moving_variance,
-                          tf.nn.relu(moving_stddev * moving_stddev - config.epsilon),
-                          name='update_moving_variance'))
-    ops.append(moving_averages.assign_moving_average(
-        params.renorm.mean, rmean, config.renorm_momentum, zero_debias=False,
-        name='update_renorm_mean'))
-    ops.append(moving_averages.assign_moving_average(
-        params.renorm.stddev, rstd, config.renorm_momentum, zero_debias=False,
-        name='update_renorm_stddev'))
+def _assign_moving_average(variable, value, decay, active, float32_decay=False):
+    """``variable -= (variable - value) * (1 - decay)`` where ``active``, else nothing.
+
+    The ops are named as ``moving_averages.assign_moving_average`` (and Keras)
+    name them (``AssignMovingAvg``, ``AssignMovingAvg_1``, ... under the
+    current name scope), and compute the same numbers.
+
+    Args:
+      variable: the moving-average variable (never partitioned).
+      value: its new observation.
+      decay: a Python number or a float scalar tensor.
+      active: a scalar bool tensor; False leaves ``variable`` as it is.
+      float32_decay: compute ``1 - decay`` in float32 as Keras' fused path
+        does (``assign_moving_average`` computes it in double).
+    """
+    with tf1.name_scope(None, 'AssignMovingAvg', [variable, value, decay]) as scope:
+        if float32_decay and isinstance(decay, numbers.Real):
+            decay = tf.constant(decay, tf.float32)
+        one_minus = tf.convert_to_tensor(1.0 - decay, name='decay')
+        if one_minus.dtype != variable.dtype.base_dtype:
+            one_minus = tf.cast(one_minus, variable.dtype.base_dtype)
+        delta = (variable - value) * one_minus
+        delta = tf.where(active, delta, tf.zeros_like(delta))
+        return tf1.assign_sub(variable, delta, name=scope)
+
+
+def _assign_zero_debiased_average(variable, value, decay, active, debias):
+    """``assign_moving_average(..., zero_debias=True)`` that skips inactive steps.
+
+    TensorFlow's version counts every run of the op in ``local_step``, so a step
+    without data would change the debiased mean; here an inactive step leaves
+    ``biased``, ``local_step`` and ``variable`` as they are. Same names and
+    numbers otherwise.
+
+    Args:
+      debias: ``(biased, local_step)`` from :func:`zero_debias_variables`.
+    """
+    biased, local_step = debias
+    with tf1.name_scope(None, 'AssignMovingAvg', [variable, value, decay]):
+        one_minus = tf.convert_to_tensor(1.0 - decay, name='decay')
+        if one_minus.dtype != variable.dtype.base_dtype:
+            one_minus = tf.cast(one_minus, variable.dtype.base_dtype)
+        delta = (biased - value) * one_minus
+        update_biased = tf1.assign_sub(biased, tf.where(active, delta, tf.zeros_like(delta)))
+        update_step = tf1.assign_add(local_step, tf.cast(active, local_step.dtype.base_dtype))
+        bias_factor = 1 - tf.pow(1.0 - one_minus, update_step)
+        new_value = tf.where(active, update_biased / bias_factor,
+                             tf.convert_to_tensor(variable))
+        return tf1.assign(variable, new_value,
+                          name=tf1.get_default_graph().get_name_scope() + '/')
+
+
+def zero_debias_variables(moving_mean, model_variables):
+    """Creates the shadow variables of a zero-debiased moving mean.
+
+    Named as ``assign_moving_average(..., zero_debias=True)`` names them:
+    ``<scope>/<moving_mean's name>/biased`` and ``.../local_step`` (for example
+    ``BatchNorm/BatchNorm/moving_mean/biased``). Call it in the layer's
+    variable scope; they are never partitioned.
+
+    Args:
+      moving_mean: the moving-mean variable.
+      model_variables: also add them to ``MODEL_VARIABLES``. slim does on its
+        non-fused path (whose scope makes every variable a model variable),
+        not on its fused one.
+
+    Returns:
+      ``(biased, local_step)``.
+    """
+    collections = [tf1.GraphKeys.GLOBAL_VARIABLES]
+    if model_variables:
+        collections.append(tf1.GraphKeys.MODEL_VARIABLES)
+    dtype = moving_mean.dtype.base_dtype
+    with tf1.variable_scope(moving_mean.op.name) as scope, tf1.colocate_with(moving_mean.op):
+        scope.set_partitioner(None)
+        biased = tf1.get_variable('biased', shape=moving_mean.shape, dtype=dtype,
+                                  initializer=tf1.zeros_initializer(), trainable=False,
+                                  collections=collections)
+        local_step = tf1.get_variable('local_step', shape=[], dtype=dtype,
+                                      initializer=tf1.zeros_initializer(), trainable=False,
+                                      collections=collections)
+    return biased, local_step
+
+
+def _update_ops(config, params, stats, finetune=None):
+    """The moving-average assignments of one training step.
+
+    An empty global batch (``stats.count == 0``) updates nothing. Names and
+    order follow slim / Keras: ``AssignMovingAvg`` (mean), ``AssignMovingAvg_1``
+    (variance); with renorm, Keras' ``AssignMovingAvg`` (renorm_mean),
+    ``_1`` (renorm_stddev), ``_2`` (moving_mean), ``_3`` (moving_stddev) and
+    ``AssignNewValue`` (moving_variance), where the renorm updates run as
+    control dependencies of the other two.
+
+    Args:
+      finetune: None, or ``(decay, new_count)`` from :func:`finetune_decay`.
+
+    Returns:
+      The update ops for the updates collection (the fine-tune counter's
+      assignment last, when there is one).
+    """
+    active = tf.greater(stats.count, 0.0)
+    if finetune is None:
+        decay, float32_decay = config.momentum, config.float32_decay
+    else:
+        decay, float32_decay = finetune[0], False
+
+    def average(variable, value, var_decay, f32=False):
+        return _assign_moving_average(variable, value, var_decay, active, f32)
+
+    if params.zero_debias is not None:
+        mean_update = _assign_zero_debiased_average(params.moving_mean, stats.mean, decay,
+                                                    active, params.zero_debias)
+    elif stats.renorm is None:
+        mean_update = average(params.moving_mean, stats.mean, decay, float32_decay)
+    if stats.renorm is None:
+        ops = [mean_update, average(params.moving_variance, stats.variance, decay,
+                                    float32_decay)]
+    else:
+        rmean, rstd = stats.renorm
+        renorm_updates = [average(params.renorm.mean, rmean, config.renorm_momentum),
+                          average(params.renorm.stddev, rstd, config.renorm_momentum)]
+        with tf.control_dependencies(renorm_updates):
+            rmean, rstd = tf.identity(rmean), tf.identity(rstd)
+            if params.zero_debias is None:
+                mean_update = average(params.moving_mean, stats.mean, decay)
+            # moving_variance follows moving_stddev, as in Keras.
+            moving_stddev = average(params.renorm.moving_stddev, rstd, decay)
+            with tf1.name_scope(None, 'AssignNewValue') as scope:
+                new_variance = tf.where(
+                    active, tf.nn.relu(moving_stddev * moving_stddev - config.epsilon),
+                    tf.convert_to_tensor(params.moving_variance))
+                variance_update = tf1.assign(params.moving_variance, new_variance, name=scope)
+        ops = [mean_update, variance_update]
+    if finetune is not None:
+        count = params.finetune_count
+        new_count = tf.where(active, finetune[1], tf.convert_to_tensor(count))
+        with tf.control_dependencies(ops):
+            ops.append(tf1.assign(count, new_count, name='update_finetune_count'))
     return ops
 
 
@@ -588,7 +819,8 @@ def finetune_decay(config, count, finetune):
 
     Returns:
       ``(decay, new_count)``: with fine-tune on, the moving statistics become
-      the exact average of the batches seen since the last reset.
+      the exact average of the batches seen since the last reset (steps with an
+      empty global batch do not count).
     """
     active = tf.cast(tf.convert_to_tensor(finetune, tf.bool), tf.float32)
     new_count = tf.convert_to_tensor(count) + active
@@ -628,23 +860,23 @@ def batch_norm(config, params, updates_collections=tf1.GraphKeys.UPDATE_OPS,
     training = config.is_training
     do_update = update_moving and info.main
 
-    decay = new_count = None
+    finetune_step = None
     if finetune is not None and params.finetune_count is not None and training is not False:
         active = finetune if training is True else tf.logical_and(
             tf.convert_to_tensor(finetune, tf.bool), training)
-        decay, new_count = finetune_decay(config, params.finetune_count, active)
+        finetune_step = finetune_decay(config, params.finetune_count, active)
 
     updates = []
     if training is False:
         y = _infer_output(config, params, x4, fmt)
     elif training is True:
-        y, mean, var, renorm_stats = _train_stats_and_output(config, params, info, x4, fmt)
+        y, stats = _train_stats_and_output(config, params, info, x4, fmt)
         if do_update:
-            updates = _update_ops(config, params, mean, var, renorm_stats, decay)
+            updates = _update_ops(config, params, stats, finetune_step)
     else:
         def train_branch():
-            y, m, v, rs = _train_stats_and_output(config, params, info, x4, fmt)
-            return (y, m, v) + (tuple(rs) if rs is not None else ())
+            y, st = _train_stats_and_output(config, params, info, x4, fmt)
+            return (y, st.mean, st.variance, st.count) + tuple(st.renorm or ())
 
         def infer_branch():
             y = _infer_output(config, params, x4, fmt)
@@ -653,20 +885,17 @@ def batch_norm(config, params, updates_collections=tf1.GraphKeys.UPDATE_OPS,
                 extra = (tf.convert_to_tensor(params.renorm.mean),
                          tf.convert_to_tensor(params.renorm.stddev))
             return (y, tf.convert_to_tensor(params.moving_mean),
-                    tf.convert_to_tensor(params.moving_variance)) + extra
+                    tf.convert_to_tensor(params.moving_variance),
+                    tf.zeros([], tf.float32)) + extra
 
         outs = tf.cond(training, train_branch, infer_branch, name='is_training')
-        y, mean, var = outs[0], outs[1], outs[2]
-        renorm_stats = tuple(outs[3:5]) if config.renorm else None
+        y = outs[0]
+        stats = BatchStats(outs[1], outs[2], outs[3],
+                           tuple(outs[4:6]) if config.renorm else None)
         if do_update:
-            updates = [tf.cond(training,
-                               lambda: tf.group(*_update_ops(config, params, mean, var,
-                                                             renorm_stats, decay)),
-                               tf.no_op, name='maybe_update')]
-    if updates and new_count is not None:
-        # new_count already counts only training steps with fine-tune on.
-        with tf.control_dependencies(updates):
-            updates.append(tf1.assign(params.finetune_count, new_count, name='update_count'))
+            # In inference the count is 0: the updates leave everything as it is
+            # (and, as the statistics come from the branch taken, wait for nothing).
+            updates = _update_ops(config, params, stats, finetune_step)
     if updates:
         if updates_collections is None:
             with tf.control_dependencies(updates):

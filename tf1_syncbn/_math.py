@@ -206,7 +206,7 @@ def bessel_correct(var, count):
     return var * count / tf.maximum(count - 1.0, 1.0)
 
 
-def normalize(x4, gamma, beta, mean, var, epsilon, fmt):
+def normalize(x4, gamma, beta, mean, var, epsilon, fmt, name='normalize'):
     """``(x - mean) * rsqrt(var + eps) * gamma + beta`` with one fused kernel.
 
     Args:
@@ -214,13 +214,14 @@ def normalize(x4, gamma, beta, mean, var, epsilon, fmt):
       gamma, beta, mean, var: float32 ``[C]`` vectors.
       epsilon: Python float.
       fmt: layout of ``x4``.
+      name: the op's name.
 
     Returns:
       ``(y4, reserve)`` where ``reserve`` holds what :func:`backward_local` needs.
     """
     y, _, _, r1, r2, r3 = gen_nn_ops.fused_batch_norm_v3(
         x4, gamma, beta, mean, var, epsilon=epsilon, data_format=fmt, is_training=False,
-        name='normalize')
+        name=name)
     return y, (r1, r2, r3)
 
 
@@ -277,6 +278,9 @@ def layout_broadcast_shape(rank, channels_last, channels):
 def fused_train(x4, gamma, beta, epsilon, fmt):
     """Per-tower (unsynchronized) batch norm: exactly one fused training kernel.
 
+    The op is named ``FusedBatchNormV3``, as ``tf.nn.fused_batch_norm`` (and so
+    slim) names it.
+
     Returns:
       ``(y4, mean, unbiased_variance)``; TensorFlow's registered gradient
       applies.
@@ -284,7 +288,7 @@ def fused_train(x4, gamma, beta, epsilon, fmt):
     empty = tf.zeros([0], STAT_DTYPE)
     y, mean, var, _, _, _ = gen_nn_ops.fused_batch_norm_v3(
         x4, gamma, beta, empty, empty, epsilon=epsilon, data_format=fmt, is_training=True,
-        name='fused_batch_norm')
+        name='FusedBatchNormV3')
     return y, mean, var
 
 

@@ -47,9 +47,10 @@ def sync_batch_norm(inputs,
     In training, the statistics are those of the *global* batch: every tower of
     the sync group (the tower context's ``total``, or ``num_dev``) contributes
     its examples, and the gradient flows through the global statistics. The
-    result, its gradients and the moving statistics equal those of one device
-    running fused batch norm on the concatenation of the towers' batches,
-    whatever the per-tower batch sizes (uneven or empty ones included).
+    result, its gradients and every variable equal those of ``slim.batch_norm``
+    (tf-slim 1.1) on one device with the concatenation of the towers' batches,
+    with the same options, whatever the per-tower batch sizes (uneven or empty
+    ones included).
 
     Communication is one packed all-reduce forward and one backward per call.
 
@@ -64,16 +65,34 @@ def sync_batch_norm(inputs,
 
     * ``beta``: the offset, when ``center``.
     * ``gamma``: the scale, when ``scale``.
-    * ``moving_mean``, ``moving_variance``: the moving statistics. The moving
-      variance tracks the Bessel-corrected (unbiased) variance of the global
-      batch, as single-device fused batch norm does.
+    * ``moving_mean``, ``moving_variance``: the moving statistics, never
+      partitioned (``beta`` and ``gamma`` follow the scope's partitioner, as
+      in slim). Which batch variance the moving variance tracks follows the
+      path slim would take: where slim runs its fused kernel (``fused`` None or
+      True, no ``batch_weights``, ``renorm`` or ``adjustment``, and rank 2 or
+      4; or rank 5 with the default ``updates_collections`` and no
+      ``zero_debias_moving_mean``), the Bessel-corrected (unbiased) variance
+      of the global batch; elsewhere (``fused=False``, rank 3, the options
+      above) the biased one (the weighted one with ``batch_weights``). This
+      layer itself always uses its own fast synchronized kernels, whichever
+      variance it tracks.
     * with ``renorm``: ``moving_stddev``, ``renorm_mean`` and
       ``renorm_stddev``, as Keras' renorm (which slim uses) names them. In
       renorm mode ``moving_variance`` is ``moving_stddev**2 - epsilon``, where
       ``moving_stddev`` averages ``sqrt(var + epsilon)`` of the (biased) batch
-      variance, as in Keras.
-    * with ``zero_debias_moving_mean``: ``<scope>/<scope>/moving_mean/biased``
-      and ``.../local_step``, created by ``assign_moving_average`` as in slim.
+      variance, as in Keras. (slim rejects renorm together with
+      ``batch_weights``, ``zero_debias_moving_mean`` or another
+      ``updates_collections``; this layer accepts them.)
+    * with ``zero_debias_moving_mean`` (in training): ``<scope>/<scope>/
+      moving_mean/biased`` and ``.../local_step``, as ``assign_moving_average``
+      names them. They are model variables where slim's non-fused path runs,
+      and not where its fused path runs, as in slim.
+
+    The update ops are named as in slim: ``<scope>/AssignMovingAvg`` (mean) and
+    ``AssignMovingAvg_1`` (variance); the per-tower fused kernel (training
+    without synchronization, and inference) is ``<scope>/FusedBatchNormV3``.
+    A step whose global batch is empty (every tower's batch empty) updates
+    nothing.
 
     Float16 and bfloat16 inputs keep float32 variables and float32 statistics.
 
@@ -98,7 +117,7 @@ def sync_batch_norm(inputs,
         ``[N, C]``, ``[N, L, C]``, ``[N, H, W, C]``, ``[N, D, H, W, C]`` (or
         channels first). float16, bfloat16 or float32.
       decay: decay of the moving averages (``1 - momentum``-style, 0.999 means
-        slow).
+        slow): a number in [0, 1] or a float scalar tensor.
       center: add the learned offset ``beta``.
       scale: multiply by the learned ``gamma``.
       epsilon: added to the variance.
@@ -119,9 +138,11 @@ def sync_batch_norm(inputs,
       trainable: whether ``beta`` and ``gamma`` are trainable.
       batch_weights: optional ``[batch]`` tensor of per-example weights;
         statistics become weighted moments of the global batch.
-      fused: None or True uses fused kernels where they are exact; False uses
-        separate ops. True with options that cannot be fused (``batch_weights``)
-        raises ``ValueError``.
+      fused: a hint, as in slim: None or True use the fast fused kernels, and
+        fall back silently to separate ops where no fused kernel applies
+        (``batch_weights``, ``renorm``, ``adjustment``); False uses separate
+        ops. It also decides, as slim's rule does, which variance the moving
+        variance tracks (see above).
       data_format: ``'NHWC'`` or ``'NCHW'`` (any rank), ``'NDHWC'`` or
         ``'NCDHW'`` (rank 5). Rank-2 inputs are always ``[N, C]``.
       zero_debias_moving_mean: debias the moving mean (slim's option).
@@ -157,7 +178,8 @@ def sync_batch_norm(inputs,
         scale=scale, batch_weights=batch_weights, fused=fused, renorm=renorm,
         renorm_clipping=renorm_clipping, renorm_momentum=renorm_decay,
         adjustment=adjustment, num_dev=num_dev, sync_statistics=sync_statistics,
-        zero_debias=zero_debias_moving_mean)
+        zero_debias=zero_debias_moving_mean,
+        arg_names={'momentum': 'decay', 'renorm_momentum': 'renorm_decay'})
     initializers = core.check_dict_keys(config.layer, 'param_initializers',
                                         param_initializers, _PARAM_INITIALIZER_KEYS)
     regularizers = core.check_dict_keys(config.layer, 'param_regularizers',
@@ -166,6 +188,10 @@ def sync_batch_norm(inputs,
     with tf1.variable_scope(scope, 'BatchNorm', [inputs], reuse=reuse) as sc:
         config.layer = 'sync_batch_norm(%s)' % sc.name
         config.validate()
+        slim_fused, keras_fused = slim_runs_fused_kernel(
+            fused, config.inputs.shape.ndims, batch_weights, renorm, adjustment,
+            zero_debias_moving_mean, updates_collections)
+        config.set_replaced_path(slim_fused, float32_decay=keras_fused)
         channels = config.channels
 
         def make(name, initializer, trainable_var, regularizer=None):
@@ -174,6 +200,7 @@ def sync_batch_norm(inputs,
                 regularizer=regularizer, trainable=trainable_var,
                 collections=slim_utils.get_variable_collections(variables_collections, name))
 
+        # beta and gamma follow the scope's partitioner, as in slim.
         beta = gamma = None
         if center:
             beta = make('beta', initializers.get('beta', tf1.zeros_initializer()), trainable,
@@ -181,26 +208,59 @@ def sync_batch_norm(inputs,
         if scale:
             gamma = make('gamma', initializers.get('gamma', tf1.ones_initializer()), trainable,
                          regularizers.get('gamma'))
-        mean_init = initializers.get('moving_mean', tf1.zeros_initializer())
-        var_init = initializers.get('moving_variance', tf1.ones_initializer())
-        moving_mean = make('moving_mean', mean_init, False)
-        moving_var = make('moving_variance', var_init, False)
-        renorm_vars = None
-        if renorm:
-            renorm_vars = core.RenormVariables.create(
-                lambda name, init: make(name, init, False), mean_init, var_init)
-
-        counter = None
-        if finetune is not None:
-            counter = slim_variables.model_variable(
-                'finetune_count', shape=[], dtype=tf.float32,
-                initializer=tf1.zeros_initializer(), trainable=False,
-                collections=[core.FINETUNE_COUNTERS] + list(
-                    slim_utils.get_variable_collections(variables_collections,
-                                                        'finetune_count') or []))
+        # The statistics never are (slim clears the partitioner for them).
+        with tf1.variable_scope(tf1.get_variable_scope()) as unpartitioned:
+            unpartitioned.set_partitioner(None)
+            mean_init = initializers.get('moving_mean', tf1.zeros_initializer())
+            var_init = initializers.get('moving_variance', tf1.ones_initializer())
+            moving_mean = make('moving_mean', mean_init, False)
+            moving_var = make('moving_variance', var_init, False)
+            renorm_vars = None
+            if renorm:
+                renorm_vars = core.RenormVariables.create(
+                    lambda name, init: make(name, init, False), mean_init, var_init)
+            counter = None
+            if finetune is not None:
+                counter = slim_variables.model_variable(
+                    'finetune_count', shape=[], dtype=tf.float32,
+                    initializer=tf1.zeros_initializer(), trainable=False,
+                    collections=[core.FINETUNE_COUNTERS] + list(
+                        slim_utils.get_variable_collections(variables_collections,
+                                                            'finetune_count') or []))
+            debias = None
+            if zero_debias_moving_mean and is_training is not False:
+                # slim's non-fused path makes every variable of its scope a model
+                # variable; its fused path does not.
+                debias = core.zero_debias_variables(moving_mean, model_variables=not slim_fused)
         outputs = core.batch_norm(
-            config, core.Params(beta, gamma, moving_mean, moving_var, renorm_vars, counter),
+            config, core.Params(beta, gamma, moving_mean, moving_var, renorm_vars, counter,
+                                debias),
             updates_collections=updates_collections, finetune=finetune)
         if activation_fn is not None:
             outputs = activation_fn(outputs)
         return slim_utils.collect_named_outputs(outputs_collections, sc.name, outputs)
+
+
+def slim_runs_fused_kernel(fused, rank, batch_weights, renorm, adjustment, zero_debias,
+                           updates_collections):
+    """Where ``slim.batch_norm`` (tf-slim 1.1) runs TensorFlow's fused kernel.
+
+    slim's rule (``tf_slim/layers/layers.py``): ``fused=None`` means True;
+    inputs of rank 2 or 4 without ``batch_weights``, ``renorm`` or
+    ``adjustment`` go to its fused function when ``zero_debias_moving_mean``,
+    rank 2 or an ``updates_collections`` other than ``UPDATE_OPS`` (compared by
+    identity, as slim does) ask for it; otherwise, without ``batch_weights``
+    and ``zero_debias_moving_mean`` and with the default collection, it runs
+    Keras' ``BatchNormalization``, which is fused on rank 4 and 5 (and not with
+    renorm or adjustment); everything else takes slim's ``tf.nn.moments``
+    path.
+
+    Returns:
+      ``(fused, keras_fused)``: whether the fused kernel runs (see
+      :func:`tf1_syncbn._layer_core.replaced_layer_is_fused`), and whether it
+      runs inside Keras' layer, which computes ``1 - decay`` in float32.
+    """
+    keras_path = updates_collections is tf1.GraphKeys.UPDATE_OPS and not zero_debias
+    is_fused = core.replaced_layer_is_fused(fused, rank, (2, 4, 5) if keras_path else (2, 4),
+                                            (batch_weights, renorm, adjustment))
+    return is_fused, is_fused and keras_path and rank in (4, 5)

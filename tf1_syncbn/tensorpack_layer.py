@@ -1,6 +1,7 @@
 """tensorpack-compatible ``BatchNorm`` and ``BatchRenorm`` on the shared engine."""
 
 import logging
+import numbers
 import types
 
 import tensorflow as tf
@@ -35,7 +36,13 @@ def _warn_once(message):
 
 
 def _apply_legacy_names(layer, kwargs, current):
-    """Maps tensorpack's old keyword names onto ``current`` (a dict of defaults)."""
+    """Maps tensorpack's old keyword names onto ``current`` (a dict of defaults).
+
+    Returns:
+      ``{current name: old name}`` for the options passed under an old name
+      (error messages name the argument as the user spelled it).
+    """
+    spelled = {}
     for old, value in kwargs.items():
         if old not in _LEGACY_NAMES:
             raise TypeError('%s got an unexpected keyword argument %r.' % (layer, old))
@@ -46,6 +53,8 @@ def _apply_legacy_names(layer, kwargs, current):
             raise TypeError('%s: pass either %r or its old name %r, not both.'
                             % (layer, new, old))
         current[new] = value
+        spelled[new] = old
+    return spelled
 
 
 class _Unset(object):
@@ -59,8 +68,10 @@ _UNSET = _Unset()
 def _finetune_counter(finetune):
     if finetune is None:
         return None
-    counter = tf1.get_variable('finetune_count', [], tf.float32, tf1.zeros_initializer(),
-                               trainable=False)
+    with tf1.variable_scope(tf1.get_variable_scope()) as unpartitioned:
+        unpartitioned.set_partitioner(None)  # counters are never partitioned
+        counter = tf1.get_variable('finetune_count', [], tf.float32, tf1.zeros_initializer(),
+                                   trainable=False)
     if counter not in tf1.get_collection(core.FINETUNE_COUNTERS):
         tf1.add_to_collection(core.FINETUNE_COUNTERS, counter)
     return counter
@@ -108,7 +119,33 @@ def _add_model_variables(ctx, variables):
 
 
 def _get_variable(name, channels, initializer, trainable=True):
-    return tf1.get_variable(name, [channels], tf.float32, initializer, trainable=trainable)
+    """A float32 ``[C]`` variable; only trainable ones follow the scope's partitioner."""
+    if trainable:
+        return tf1.get_variable(name, [channels], tf.float32, initializer, trainable=True)
+    # Moving statistics are never partitioned (as Keras, which tensorpack uses).
+    with tf1.variable_scope(tf1.get_variable_scope()) as unpartitioned:
+        unpartitioned.set_partitioner(None)
+        return tf1.get_variable(name, [channels], tf.float32, initializer, trainable=False)
+
+
+def tensorpack_runs_fused_kernel(rank, dtype, virtual_batch_size):
+    """Where tensorpack 0.11's single-device ``BatchNorm`` runs the fused kernel.
+
+    tensorpack builds ``tf.layers.BatchNormalization(fused=(ndims == 4))``,
+    with ``fused=True`` forced for float16 inputs, and Keras fuses rank 4 and
+    5 only; a virtual batch takes tensorpack's own ``tf.nn.moments`` path. So:
+    rank 4 (and float16 rank 5) is fused, rank 2 (and 3, 5, which tensorpack
+    rejects, taken as its code would treat them) is not.
+
+    tensorpack's *synchronized* path tracks the biased ``E[x^2] - E[x]^2`` even
+    on rank 4; the layers here follow its single-device path instead, so that
+    N synchronized towers equal one device.
+
+    Returns:
+      See :func:`tf1_syncbn._layer_core.replaced_layer_is_fused`.
+    """
+    hint = rank == 4 or dtype == tf.float16
+    return core.replaced_layer_is_fused(hint, rank, (4, 5), (virtual_batch_size,))
 
 
 def _holder(**variables):
@@ -128,9 +165,16 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_UNSET, epsilo
     Variable names (under ``name``):
 
     * ``beta``, ``gamma``: offset and scale (when ``center`` / ``scale``).
-    * ``mean/EMA``, ``variance/EMA``: the moving statistics. The variance is
-      the Bessel-corrected variance of the (global) batch, like fused batch
-      norm (tensorpack's unfused 2-D path keeps the biased one).
+    * ``mean/EMA``, ``variance/EMA``: the moving statistics, never partitioned
+      (``beta``/``gamma`` follow the scope's partitioner). As in tensorpack's
+      single-device layer, the variance tracks the Bessel-corrected variance
+      of the (global) batch where tensorpack runs the fused kernel (4-D
+      inputs, and float16 5-D), and the biased one elsewhere (2-D inputs, a
+      virtual batch; ranks 3 and 5, which tensorpack rejects, follow its code
+      and are not fused). tensorpack's own synchronized path tracks the biased
+      ``E[x^2] - E[x]^2`` even on 4-D inputs: this layer follows its
+      single-device path instead, so N synchronized towers equal one device.
+      A step whose global batch is empty updates nothing.
     * ``finetune_count``: with ``finetune``, the number of averaged batches.
 
     When synchronization hangs, and how it fails instead (as for
@@ -147,11 +191,18 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_UNSET, epsilo
       name: the layer's variable scope.
       inputs: a rank 2 to 5 tensor (float16, bfloat16 or float32).
       axis: the channel axis (1 or the last); default from ``data_format``.
-      training: True uses batch statistics; False the moving statistics (and
+      training: a Python bool or a scalar bool tensor (anything else is a
+        TypeError; tensorpack would take ``bool(training)``, so that ``'False'``
+        trains). True uses batch statistics; False the moving statistics (and
         still trains beta/gamma: frozen statistics, warned once inside a
-        training tower). None follows the tower context (True outside one).
-        A scalar bool tensor switches at run time.
-      momentum: decay of the moving averages (old name: ``decay``).
+        training tower). None follows the tower context (True outside one):
+        in tensorpack's ``PredictTowerContext`` (``OfflinePredictor``,
+        ``InferenceRunner``) it normalizes with the moving statistics and
+        never updates them. As in tensorpack, an explicit ``training=True``
+        in a prediction tower uses batch statistics *and* updates them.
+        A tensor switches at run time.
+      momentum: decay of the moving averages (old name: ``decay``): a number
+        in [0, 1] or a float scalar tensor.
       epsilon: added to the variance.
       center, scale: learn ``beta`` / ``gamma`` (old names ``use_bias``,
         ``use_scale``).
@@ -186,7 +237,8 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_UNSET, epsilo
     core.check_graph_mode(layer)
     options = {'momentum': momentum, 'center': center, 'scale': scale,
                'gamma_initializer': gamma_initializer, 'training': _UNSET}
-    _apply_legacy_names(layer, legacy_kwargs, options)
+    spelled = _apply_legacy_names(layer, legacy_kwargs, options)
+    spelled['is_training'] = spelled.pop('training', 'training')
     if options['training'] is not _UNSET:
         if training is not None:
             raise TypeError("%s: pass either 'training' or 'use_local_stat', not both." % layer)
@@ -200,8 +252,6 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_UNSET, epsilo
         raise ValueError('%s: ema_update must be one of %s, got %r.'
                          % (layer, _EMA_UPDATES, ema_update))
     ctx, training = _check_format_and_training(layer, data_format, training)
-    if not isinstance(training, (bool, tf.Tensor, tf.Variable)):
-        training = bool(training)
     if training is False and ctx is not None and ctx.is_training and \
             ctx.is_main_training_tower:
         _warn_once('BatchNorm layers use their moving mean/variance in a training tower '
@@ -214,8 +264,14 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_UNSET, epsilo
             data_format=_DATA_FORMATS[data_format], is_training=training,
             momentum=options['momentum'], epsilon=epsilon, center=options['center'],
             scale=options['scale'], sync_statistics=sync_statistics, axis=axis,
-            virtual_batch_size=virtual_batch_size if training is not False else None)
+            virtual_batch_size=virtual_batch_size if training is not False else None,
+            arg_names=spelled)
         config.validate()
+        fused = tensorpack_runs_fused_kernel(config.inputs.shape.ndims,
+                                             config.inputs.dtype.base_dtype,
+                                             config.virtual_batch_size)
+        # Keras' fused path computes 1 - momentum in float32.
+        config.set_replaced_path(fused, float32_decay=fused)
         channels = config.channels
         beta = _get_variable('beta', channels, beta_initializer) if options['center'] \
             else None
@@ -240,6 +296,15 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_UNSET, epsilo
     return out
 
 
+def _reciprocal(rmax):
+    """``rmin = 1 / rmax`` as tensorpack sets it (None for an invalid rmax: its check fails)."""
+    if isinstance(rmax, (tf.Tensor, tf.Variable)):
+        return tf.math.reciprocal(tf.cast(rmax, tf.float32))
+    if isinstance(rmax, numbers.Real) and not isinstance(rmax, bool) and rmax > 0:
+        return 1.0 / rmax
+    return None
+
+
 def _attach_variables(tensor, **variables):
     try:
         tensor.variables = _holder(**variables)
@@ -261,6 +326,11 @@ def BatchRenorm(name, x, rmax, dmax, *, momentum=0.9, epsilon=1e-5, center=True,
     Variable names (under ``name``), as Keras' renorm layer (which tensorpack
     wraps) creates them: ``beta``, ``gamma``, ``moving_mean``,
     ``moving_variance``, ``moving_stddev``, ``renorm_mean``, ``renorm_stddev``.
+    As in tensorpack (non-fused Keras layer), ``moving_variance`` follows
+    ``moving_stddev``, which averages ``sqrt(var + epsilon)`` of the biased
+    batch variance. One difference: with ``gamma_initializer=None``,
+    tensorpack's ``gamma`` starts at Keras' default for weights
+    (``glorot_uniform``, random); here it starts at ones.
 
     The update ops go to ``UPDATE_OPS`` on the main training tower, or run
     inside the layer when synchronized (see :func:`BatchNorm` for when sync
@@ -269,7 +339,8 @@ def BatchRenorm(name, x, rmax, dmax, *, momentum=0.9, epsilon=1e-5, center=True,
     Args:
       name: the layer's variable scope.
       x: a rank 2 to 5 tensor.
-      rmax, dmax: the maximal corrections; Python numbers or scalar tensors.
+      rmax, dmax: the maximal corrections; Python numbers (checked:
+        ``rmax >= 1``, ``dmax >= 0``) or scalar tensors. ``rmin = 1 / rmax``.
       momentum: decay of the moving averages (old name: ``decay``).
       epsilon: added to the variance.
       center, scale: learn ``beta`` / ``gamma`` (old names: ``use_bias``,
@@ -286,7 +357,7 @@ def BatchRenorm(name, x, rmax, dmax, *, momentum=0.9, epsilon=1e-5, center=True,
     core.check_graph_mode(layer)
     options = {'momentum': _UNSET, 'center': _UNSET, 'scale': _UNSET,
                'gamma_initializer': _UNSET}
-    _apply_legacy_names(layer, legacy_kwargs, options)
+    spelled = _apply_legacy_names(layer, legacy_kwargs, options)
     explicit = {'momentum': momentum, 'center': center, 'scale': scale,
                 'gamma_initializer': gamma_initializer}
     for key, value in explicit.items():
@@ -298,11 +369,13 @@ def BatchRenorm(name, x, rmax, dmax, *, momentum=0.9, epsilon=1e-5, center=True,
             layer='BatchRenorm(%s)' % vs.name, inputs=x, data_format=_DATA_FORMATS[data_format],
             is_training=training, momentum=options['momentum'], epsilon=epsilon,
             center=options['center'], scale=options['scale'], renorm=True,
-            renorm_clipping={'rmin': 1.0 / rmax if not isinstance(rmax, (tf.Tensor, tf.Variable))
-                             else tf.math.reciprocal(tf.cast(rmax, tf.float32)),
-                             'rmax': rmax, 'dmax': dmax},
-            renorm_momentum=0.99, sync_statistics=sync_statistics)
+            renorm_clipping={'rmin': _reciprocal(rmax), 'rmax': rmax, 'dmax': dmax},
+            renorm_momentum=0.99, sync_statistics=sync_statistics,
+            arg_names=dict(spelled, is_training='training', rmax='rmax', dmax='dmax',
+                           rmin='1 / rmax'))
         config.validate()
+        # tensorpack builds Keras' layer with fused=False.
+        config.set_replaced_path(False)
         channels = config.channels
         gamma_init = options['gamma_initializer'] or tf1.ones_initializer()
         beta = _get_variable('beta', channels, tf1.zeros_initializer()) \

@@ -1,0 +1,195 @@
+"""One parity case: a batch-norm layer trained on N towers, every number recorded.
+
+The parity tests run the same function on both sides: in a subprocess with
+tf-slim 1.1 / tensorpack 0.11 themselves on one device (see
+``legacy_reference.py``), and in the test process with this library on one
+tower and on N towers. It never imports ``tf1_syncbn``: the layer comes in as
+a function, so the reference side is independent of the code under test.
+
+A case is a JSON-able dict:
+
+* ``shape``: the global batch's shape (batch first);
+* ``sizes``: the per-tower batch sizes of the N-tower run (default
+  ``[3, 0, 5]``: uneven, one tower empty);
+* ``interleave``: ghost batch norm with N members: tower ``t`` holds the
+  ``t``-th run of ``virtual_batch_size / N`` examples of every virtual batch
+  (the reference batch is the interleaved concatenation);
+* ``training_tensor``: ``is_training`` / ``training`` is a bool placeholder;
+* ``loc``, ``scale``: the data's mean and spread (default 1 and 2);
+* the rest (``kwargs``, ...) is read by the test's layer function.
+
+Each step feeds new data and runs one SGD step on ``sum(y * dy)``, with the
+update ops of ``UPDATE_OPS`` as control dependencies of the train op.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+tf1 = tf.compat.v1
+
+STEPS = 3
+LEARNING_RATE = 0.1
+DEFAULT_SIZES = [3, 0, 5]
+
+
+def case_data(case, index):
+    """Inputs, upstream gradients and batch weights of every step (numpy, float32)."""
+    rng = np.random.RandomState(1000 + index)
+    shape = case['shape']
+    loc, scale = case.get('loc', 1.0), case.get('scale', 2.0)
+    data = {}
+    for step in range(STEPS):
+        data['x/%d' % step] = (rng.randn(*shape) * scale + loc).astype(np.float32)
+        data['dy/%d' % step] = rng.randn(*shape).astype(np.float32)
+        weights = rng.uniform(0.0, 2.0, shape[0]).astype(np.float32)
+        weights[1] = 0.0
+        data['w/%d' % step] = weights
+    data['x/eval'] = (rng.randn(*shape) * scale + loc).astype(np.float32)
+    return data
+
+
+def tower_rows(case, sizes):
+    """The rows of the reference batch that each tower holds."""
+    total = case['shape'][0]
+    if case.get('interleave') and len(sizes) > 1:
+        vbs = case['kwargs']['virtual_batch_size']
+        per = vbs // len(sizes)
+        return [np.concatenate([np.arange(k * vbs + t * per, k * vbs + (t + 1) * per)
+                                for k in range(total // vbs)]) for t in range(len(sizes))]
+    assert sum(sizes) == total, (sizes, total)
+    starts = np.cumsum([0] + list(sizes))
+    return [np.arange(starts[i], starts[i + 1]) for i in range(len(sizes))]
+
+
+def graph_info(graph):
+    """Names of what a drop-in replacement must name as the replaced layer does."""
+    def name(op):
+        return getattr(op, 'op', op).name
+
+    ops = graph.get_operations()
+    with graph.as_default():
+        return {
+            'fused_ops': sorted(op.name for op in ops if op.type == 'FusedBatchNormV3'),
+            'assign_ops': sorted(op.name for op in ops
+                                 if 'Assign' in op.type and not op.name.endswith('/Assign')),
+            'update_ops': [name(op) for op in tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)],
+            'model_variables': sorted(v.op.name for v in tf1.model_variables()),
+            'global_variables': sorted(v.op.name for v in tf1.global_variables()),
+            'trainable_variables': sorted(v.op.name for v in tf1.trainable_variables()),
+        }
+
+
+def train_case(apply, case, index, sizes):
+    """Builds ``apply`` on ``len(sizes)`` towers and trains ``STEPS`` SGD steps.
+
+    Args:
+      apply: ``apply(x, weights, training, tower, towers)`` builds the layer on
+        ``x`` (``tower`` is None for the inference call, built after the
+        towers, which must reuse the variables) and returns its output.
+      case: the case dict.
+      index: the case's index (seeds its data).
+      sizes: per-tower batch sizes; one tower is built without any tower
+        context, more in ``tower.TowerContext`` on virtual CPUs.
+
+    Returns:
+      ``(arrays, info)``: arrays keyed ``y/<step>``, ``dx/<step>``,
+      ``grad/<step>/<variable>``, ``var/<step>/<variable>`` (after the step) and
+      ``eval`` (inference on the final statistics), with rows in the reference
+      batch's order; and :func:`graph_info`.
+    """
+    data = case_data(case, index)
+    rows = tower_rows(case, sizes)
+    towers = len(sizes)
+    shape = [None] + list(case['shape'][1:])
+    graph = tf.Graph()
+    with graph.as_default():
+        training = tf1.placeholder(tf.bool, [], 'training') if case.get('training_tensor') \
+            else True
+        xs, dys, ws, ys = [], [], [], []
+
+        def tower(i):
+            x = tf1.placeholder(tf.float32, shape, 'x')
+            dy = tf1.placeholder(tf.float32, shape, 'dy')
+            w = tf1.placeholder(tf.float32, [None], 'weights')
+            xs.append(x)
+            dys.append(dy)
+            ws.append(w)
+            ys.append(apply(x, w, training, i, towers))
+
+        if towers == 1:
+            tower(0)
+        else:
+            from tower import TowerContext  # noqa: PLC0415 - only the N-tower side
+            for i in range(towers):
+                with tf.device('/cpu:%d' % i), TowerContext('tower%d' % i, index=i,
+                                                            total=towers):
+                    tower(i)
+        x_eval = tf1.placeholder(tf.float32, shape, 'x_eval')
+        y_eval = apply(x_eval, None, False, None, towers)
+        loss = tf.add_n([tf.reduce_sum(tf.cast(y, tf.float32) * dy) for y, dy in zip(ys, dys)])
+        variables = tf1.trainable_variables()
+        grads = tf.gradients(loss, xs + variables)
+        with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+            if variables:
+                train = tf1.train.GradientDescentOptimizer(LEARNING_RATE).apply_gradients(
+                    list(zip(grads[towers:], variables)))
+            else:
+                train = tf.no_op()
+        info = graph_info(graph)
+        config = tf1.ConfigProto(device_count={'CPU': towers})
+        arrays = {}
+        with tf1.Session(config=config) as sess:
+            sess.run(tf1.global_variables_initializer())
+            for step in range(STEPS):
+                feed = {}
+                for i in range(towers):
+                    feed[xs[i]] = data['x/%d' % step][rows[i]]
+                    feed[dys[i]] = data['dy/%d' % step][rows[i]]
+                    feed[ws[i]] = data['w/%d' % step][rows[i]]
+                if training is not True:
+                    feed[training] = True
+                y_parts, grad_values, _ = sess.run([ys, grads, train], feed)
+                arrays['y/%d' % step] = _unsplit(y_parts, rows)
+                arrays['dx/%d' % step] = _unsplit(grad_values[:towers], rows)
+                for v, g in zip(variables, grad_values[towers:]):
+                    arrays['grad/%d/%s' % (step, v.op.name)] = g
+                for v in tf1.global_variables():
+                    arrays['var/%d/%s' % (step, v.op.name)] = sess.run(v)
+            feed = {x_eval: data['x/eval']}
+            if training is not True:
+                feed[training] = False
+            arrays['eval'] = sess.run(y_eval, feed)
+    return arrays, info
+
+
+def _unsplit(parts, rows):
+    """Puts per-tower rows back at their places in the reference batch."""
+    out = np.zeros((sum(len(r) for r in rows),) + parts[0].shape[1:], parts[0].dtype)
+    for part, r in zip(parts, rows):
+        out[r] = part
+    return out
+
+
+def assert_same_numbers(ours, ref, case, towers):
+    """Every array of ``ref`` (outputs, gradients, variables) equals ``ours``'s.
+
+    Float32 tolerances: ``1e-5`` relative for outputs and variables, ``1e-4``
+    for gradients (sums over the batch); ``case['tight']`` checks the moving
+    statistics to ``2e-6`` (what tells ``1 - decay`` in float32 from double at
+    decay 0.999); ``case['tolerance']`` scales them all (float16 inputs).
+    """
+    factor = case.get('tolerance', 1.0)
+    assert sorted(ours) == sorted(ref)
+    for key in sorted(ref):
+        expected = ref[key].astype(np.float64)
+        scale = max(np.abs(expected).max(), 1.0) if expected.size else 1.0
+        if key.startswith(('y/', 'eval')):
+            rtol, atol = 1e-5, 2e-5 * scale
+        elif key.startswith(('dx/', 'grad/')):
+            rtol, atol = 1e-4, 1e-4 * scale
+        elif case.get('tight') and 'moving' in key:
+            rtol, atol = 2e-6, 0.0
+        else:
+            rtol, atol = 1e-5, 1e-6 * scale
+        np.testing.assert_allclose(ours[key], expected, rtol=rtol * factor, atol=atol * factor,
+                                   err_msg='%s, %d tower(s): %s' % (case['name'], towers, key))

@@ -1,0 +1,248 @@
+"""sync_batch_norm behaves exactly like tf-slim 1.1's slim.batch_norm, option by option.
+
+The invariant: N synchronized towers give what ``slim.batch_norm`` gives on one
+device with the concatenated batch (here: 3 towers of 3, 0 and 5 examples):
+outputs, input and parameter gradients, and every variable by name, moving
+statistics included, over several SGD steps; one tower gives it too, with the
+same op names, update ops and variable collections in the graph.
+
+Which variance the moving variance tracks follows slim's own path: the
+Bessel-corrected one where slim runs its fused kernel (rank 2 and 4, and 5 on
+its Keras path), the biased one on its non-fused paths (``fused=False``,
+rank 3, ``batch_weights``, ``adjustment``, renorm, and rank 5 with
+``zero_debias_moving_mean`` or another ``updates_collections``).
+
+The reference is tf-slim itself, run once for every case of this module in one
+subprocess with legacy Keras (``legacy_reference.py``), through the same
+``parity_harness.train_case`` as this library.
+"""
+
+import functools
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from legacy_reference import run_reference
+from parity_harness import DEFAULT_SIZES, assert_same_numbers, train_case
+from tf1_syncbn import CollectiveBackend, sync_batch_norm
+
+tf1 = tf.compat.v1
+
+# What both sides build: the same code, with slim.batch_norm or sync_batch_norm.
+MODEL = '''
+def adjustment(shape):
+    """A deterministic adjustment (channels last): scale and bias per channel."""
+    channels = tf.cast(shape[-1], tf.float32)
+    index = tf.range(channels)
+    return 1.0 + 0.25 * index, 0.1 * index - 0.1
+
+
+def slim_apply(layer, case, x, weights, training, tower, towers):
+    """``layer`` (slim.batch_norm or sync_batch_norm) on ``x`` for ``case``."""
+    kwargs = dict(case['kwargs'])
+    if case.get('decay_tensor'):
+        kwargs['decay'] = tf.constant(kwargs['decay'], tf.float32)
+    if case.get('batch_weights') and tower is not None:
+        kwargs['batch_weights'] = weights
+    if case.get('adjustment'):
+        kwargs['adjustment'] = adjustment
+    if 'updates_collections' in case:
+        kwargs['updates_collections'] = case['updates_collections']
+    partitioner = None
+    if case.get('partitions'):
+        partitioner = tf1.fixed_size_partitioner(case['partitions'])
+    with tf1.variable_scope('net', partitioner=partitioner,
+                            reuse=True if tower is None else None):
+        return layer(x, scope='bn', is_training=training, **kwargs)
+'''
+exec(MODEL)  # noqa: S102 - defines slim_apply and adjustment here, as in the reference
+
+REFERENCE_SCRIPT = '''
+import json, sys
+import numpy as np
+import tensorflow as tf
+import tf_slim as slim
+tf1 = tf.compat.v1
+tf1.disable_eager_execution()
+from parity_harness import train_case
+''' + MODEL + '''
+cases = json.loads(open(sys.argv[1]).read())
+arrays, infos = {}, []
+for index, case in enumerate(cases):
+    apply = lambda *args, case=case: slim_apply(slim.batch_norm, case, *args)
+    try:
+        case_arrays, info = train_case(apply, case, index, [case['shape'][0]])
+    except Exception as e:  # reported by the case's tests
+        case_arrays, info = {}, {'error': '%s: %s' % (type(e).__name__, str(e)[:2000])}
+    arrays.update({'%d/%s' % (index, k): v for k, v in case_arrays.items()})
+    infos.append(info)
+np.savez('slim_parity.npz', **arrays)
+open('slim_parity.json', 'w').write(json.dumps(infos))
+print('RESULT slim_parity.npz')
+'''
+
+# ---------------------------------------------------------------------------
+# The cases.
+
+SHAPES = {  # (rank, data_format) -> the global batch's shape, 3 channels
+    (2, 'NHWC'): [8, 3], (2, 'NCHW'): [8, 3],
+    (3, 'NHWC'): [8, 4, 3], (3, 'NCHW'): [8, 3, 4],
+    (4, 'NHWC'): [8, 3, 2, 3], (4, 'NCHW'): [8, 3, 3, 2],
+    (5, 'NHWC'): [8, 2, 2, 1, 3], (5, 'NCHW'): [8, 3, 2, 1, 2],
+}
+BASE = {'decay': 0.8, 'scale': True, 'epsilon': 1e-3}
+
+
+def _case(name, rank=4, data_format='NHWC', channels=None, **options):
+    shape = list(SHAPES[(rank, data_format)])
+    if channels is not None:
+        shape[-1 if data_format == 'NHWC' or rank == 2 else 1] = channels
+    kwargs = dict(BASE, data_format=data_format)
+    kwargs.update(options.pop('kwargs', {}))
+    return dict(name=name, shape=shape, kwargs=kwargs, **options)
+
+
+CASES = [_case('fused=%s-rank%d-%s' % (fused, rank, fmt), rank, fmt, kwargs={'fused': fused})
+         for fused in (None, True, False) for rank in (2, 3, 4, 5) for fmt in ('NHWC', 'NCHW')]
+CASES += [
+    # Options that no fused kernel computes: slim's non-fused paths (biased variance).
+    _case('adjustment-rank4', adjustment=True),
+    _case('adjustment-rank2-fused=True', 2, adjustment=True, kwargs={'fused': True}),
+    _case('batch_weights-rank4', batch_weights=True),
+    _case('batch_weights-rank3-NCHW', 3, 'NCHW', batch_weights=True),
+    _case('renorm-rank4', kwargs={'renorm': True, 'renorm_decay': 0.7, 'renorm_clipping': {
+        'rmax': 1.5, 'rmin': 0.8, 'dmax': 0.3}}),
+    _case('renorm-rank2-fused=True', 2, kwargs={'renorm': True, 'fused': True}),
+    _case('renorm-rank4-NCHW-unclipped', 4, 'NCHW', kwargs={'renorm': True}),
+    # zero_debias_moving_mean: slim's fused function (rank 2, 4) or its moments path.
+    _case('zero_debias-rank4', kwargs={'zero_debias_moving_mean': True}),
+    _case('zero_debias-rank2', 2, kwargs={'zero_debias_moving_mean': True}),
+    _case('zero_debias-rank4-fused=False', kwargs={'zero_debias_moving_mean': True,
+                                                    'fused': False}),
+    _case('zero_debias-rank3', 3, kwargs={'zero_debias_moving_mean': True}),
+    _case('zero_debias-rank5-NCHW', 5, 'NCHW', kwargs={'zero_debias_moving_mean': True}),
+    # updates_collections other than UPDATE_OPS (slim compares by identity).
+    _case('updates=None-rank4', updates_collections=None),
+    _case('updates=None-rank2', 2, updates_collections=None),
+    _case('updates=None-rank3', 3, updates_collections=None),
+    _case('updates=None-rank5', 5, updates_collections=None),
+    _case('updates=list-rank5', 5, updates_collections=['update_ops']),
+    _case('updates=list-rank4-NCHW', 4, 'NCHW', updates_collections=['update_ops']),
+    # Partitioned variable scopes: beta/gamma partitioned, statistics not.
+    _case('partitioned-rank4', channels=4, partitions=2),
+    _case('partitioned-rank4-updates=None', channels=4, partitions=2,
+          updates_collections=None),
+    _case('partitioned-rank3', 3, channels=4, partitions=2),
+    _case('partitioned-rank3-updates=None', 3, channels=4, partitions=2,
+          updates_collections=None),
+    # (slim fails on its fused path with zero_debias_moving_mean in a
+    # partitioned scope: it partitions moving_mean/biased.)
+    _case('partitioned-rank2-updates=None', 2, channels=4, partitions=2,
+          updates_collections=None),
+    # decay: a tensor, and slim's default 0.999 (Keras' fused path computes
+    # 1 - decay in float32, slim's own paths in double: checked tightly).
+    _case('decay_tensor-rank4', decay_tensor=True),
+    _case('decay_tensor-rank3', 3, decay_tensor=True),
+    _case('decay=0.999-rank4', kwargs={'decay': 0.999}, loc=3.0, scale=1.0, tight=True),
+    _case('decay=0.999-rank2', 2, kwargs={'decay': 0.999}, loc=3.0, scale=1.0, tight=True),
+    _case('decay=0.999-rank5-updates=None', 5, kwargs={'decay': 0.999}, loc=3.0, scale=1.0,
+          updates_collections=None, tight=True),
+    # A tiny variance with a tiny epsilon (TensorFlow 2.21's fused kernel takes
+    # epsilon as given, as the non-fused path does).
+    _case('tiny_variance-rank4', kwargs={'epsilon': 1e-6}, loc=0.0, scale=1e-3),
+    _case('tiny_variance-rank3', 3, kwargs={'epsilon': 1e-6}, loc=0.0, scale=1e-3),
+    # is_training as a tensor; center/scale off.
+    _case('training_tensor-rank4', training_tensor=True),
+    # (slim's Keras non-fused path wraps each update in its own tf.cond, named
+    # cond_<i>; ours gates them without one: the update ops' names differ.)
+    _case('training_tensor-rank3', 3, training_tensor=True, update_names_differ=True),
+    _case('no_center_no_scale-rank4', kwargs={'center': False, 'scale': False}),
+]
+NAMES = [c['name'] for c in CASES]
+assert len(set(NAMES)) == len(NAMES)
+
+
+@pytest.fixture(scope='module')
+def slim_results(tmp_path_factory):
+    """Runs every case with tf-slim itself, in one subprocess."""
+    tmp = tmp_path_factory.mktemp('slim_parity')
+    (tmp / 'cases.json').write_text(json.dumps(CASES))
+    run_reference(REFERENCE_SCRIPT, tmp, args=[str(tmp / 'cases.json')], timeout=600)
+    arrays = np.load(tmp / 'slim_parity.npz')
+    infos = json.loads((tmp / 'slim_parity.json').read_text())
+    results = [({}, info) for info in infos]
+    for key in arrays.files:
+        index, name = key.split('/', 1)
+        results[int(index)][0][name] = arrays[key]
+    return results
+
+
+def _reference(slim_results, case):
+    ref, info = slim_results[CASES.index(case)]
+    if 'error' in info:
+        pytest.fail('tf-slim itself failed on this case: %s' % info['error'])
+    return ref, info
+
+
+def _ours(case, sizes):
+    towers = len(sizes)
+    layer = sync_batch_norm
+    if towers > 1:
+        layer = functools.partial(sync_batch_norm, sync_statistics=CollectiveBackend(timeout=60))
+    return train_case(lambda *args: slim_apply(layer, case, *args), case, CASES.index(case),
+                      sizes)
+
+
+@pytest.mark.parametrize('case', CASES, ids=NAMES)
+def test_one_tower_is_slim(slim_results, case):
+    ref, ref_info = _reference(slim_results, case)
+    ours, info = _ours(case, [case['shape'][0]])
+    assert_same_numbers(ours, ref, case, 1)
+    # The graph: variables and collections, update ops and op names as slim's.
+    keys = ['global_variables', 'model_variables', 'trainable_variables']
+    if not case.get('update_names_differ'):
+        keys += ['update_ops', 'assign_ops']
+    for key in keys:
+        assert info[key] == ref_info[key], key
+    missing = set(ref_info['fused_ops']) - set(info['fused_ops'])
+    assert not missing, 'slim has fused ops %s, we do not' % sorted(missing)
+
+
+@pytest.mark.parametrize('case', CASES, ids=NAMES)
+def test_towers_are_slim_on_the_concatenated_batch(slim_results, case):
+    ref, ref_info = _reference(slim_results, case)
+    sizes = case.get('sizes', DEFAULT_SIZES)
+    ours, info = _ours(case, sizes)
+    assert_same_numbers(ours, ref, case, len(sizes))
+    assert info['global_variables'] == ref_info['global_variables']
+    assert info['model_variables'] == ref_info['model_variables']
+
+
+def test_the_variance_convention_is_exercised(slim_results):
+    """The moving variance is unbiased on slim's fused paths, biased on the others.
+
+    A check of the reference itself, so that the parity tests above cannot pass
+    with one convention everywhere.
+    """
+    from parity_harness import case_data  # noqa: PLC0415
+    tracked = {}
+    for index, case in enumerate(CASES):
+        if case['name'] not in ('fused=None-rank4-NHWC', 'fused=None-rank3-NHWC',
+                                'fused=None-rank5-NCHW', 'updates=None-rank5',
+                                'fused=False-rank2-NHWC', 'fused=None-rank2-NHWC'):
+            continue
+        ref, _ = slim_results[index]
+        x = case_data(case, index)['x/0']
+        channels_last = case['kwargs']['data_format'] == 'NHWC' or x.ndim == 2
+        flat = (x if channels_last else np.moveaxis(x, 1, -1)).reshape(-1, 3)
+        decay = case['kwargs']['decay']
+        moving = ref['var/0/net/bn/moving_variance']
+        for ddof in (0, 1):
+            if np.allclose(moving, decay + (1 - decay) * flat.var(0, ddof=ddof), rtol=1e-5):
+                tracked[case['name']] = 'unbiased' if ddof else 'biased'
+    assert tracked == {
+        'fused=None-rank4-NHWC': 'unbiased', 'fused=None-rank2-NHWC': 'unbiased',
+        'fused=None-rank5-NCHW': 'unbiased', 'fused=None-rank3-NHWC': 'biased',
+        'updates=None-rank5': 'biased', 'fused=False-rank2-NHWC': 'biased'}
