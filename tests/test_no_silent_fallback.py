@@ -1,0 +1,157 @@
+"""A synchronized layer never falls back to per-tower statistics silently.
+
+Each case where the layer cannot synchronize as asked either raises (at graph
+build, or at the latest at the first run) or warns, naming the layer and the fix.
+"""
+
+import subprocess
+import sys
+import time
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import make_session
+from tf1_syncbn import BatchNorm, CollectiveBackend, SyncBNWarning, sync_batch_norm
+from tower import (TowerContext, register_tower_pattern, strip_tower_prefix,
+                   tower_index_from_name, tower_patterns, unregister_tower_pattern)
+
+tf1 = tf.compat.v1
+
+
+def ph(shape=(None, 3)):
+    return tf1.placeholder(tf.float32, list(shape))
+
+
+@pytest.mark.parametrize('spec', ['collective', CollectiveBackend(timeout=5)])
+def test_explicit_backend_outside_any_tower_is_a_build_error(graph, spec):
+    with pytest.raises(ValueError, match=r'sync_batch_norm\(my_bn\).*cannot tell how many '
+                                         r'towers.*num_dev=<number of towers'):
+        sync_batch_norm(ph(), scope='my_bn', sync_statistics=spec)
+
+
+def test_explicit_backend_outside_any_tower_is_a_build_error_for_tensorpack_layers(graph):
+    with pytest.raises(ValueError, match=r"BatchNorm\(bn\).*sync_statistics='collective'"):
+        BatchNorm('bn', ph(), sync_statistics='collective')
+
+
+def test_num_dev_1_or_inference_outside_towers_is_fine(graph):
+    sync_batch_norm(ph(), scope='one', num_dev=1, sync_statistics='collective')
+    sync_batch_norm(ph(), scope='infer', is_training=False, sync_statistics='collective')
+    assert not [op for op in graph.get_operations() if 'Collective' in op.type]
+
+
+def test_auto_outside_any_tower_is_a_single_tower_silently(graph):
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', SyncBNWarning)
+        sync_batch_norm(ph())
+
+
+@pytest.mark.parametrize('scope', ['tower_1', 'clone_1', 'tower1', 'outer/tower_2'])
+def test_auto_in_a_tower_name_scope_of_unknown_size_warns(graph, scope):
+    with tf.name_scope(scope), pytest.warns(SyncBNWarning,
+                                            match=r'sync_batch_norm\(BatchNorm\).*looks like '
+                                                  r'tower.*num_dev'):
+        sync_batch_norm(ph())
+
+
+@pytest.mark.parametrize('scope', ['tower_1', 'clone_0'])
+def test_explicit_backend_in_a_tower_name_scope_of_unknown_size_raises(graph, scope):
+    with tf.name_scope(scope), pytest.raises(ValueError, match='cannot tell how many towers'):
+        sync_batch_norm(ph(), sync_statistics='collective')
+
+
+def test_incomplete_tower_context_group_fails_at_the_first_run(graph):
+    # TowerContext(total=4), but only towers 0 and 1 are ever built: the exit-time
+    # check never fires (the last tower never exits); the first run says so.
+    xs, ys = [], []
+    for i in range(2):
+        with tf.device('/cpu:%d' % i), TowerContext('tower%d' % i, index=i, total=4):
+            x = ph()
+            xs.append(x)
+            ys.append(sync_batch_norm(x, scope='bn',
+                                      sync_statistics=CollectiveBackend(timeout=120)))
+    with make_session(graph, 4) as sess:
+        sess.run(tf1.global_variables_initializer())
+        start = time.time()
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=r'bn \(a group of 4 towers: built by towers 0, 1, never by '
+                                 r'towers 2, 3\)'):
+            sess.run(ys, {x: np.ones((2, 3)) for x in xs})
+        assert time.time() - start < 60   # long before the collective timeout
+
+
+def test_complete_groups_pass_the_run_time_check_once(graph):
+    xs, ys = [], []
+    for i in range(2):
+        with tf.device('/cpu:%d' % i), TowerContext('tower%d' % i, index=i, total=2):
+            x = ph()
+            xs.append(x)
+            ys.append(sync_batch_norm(x, scope='bn', sync_statistics='collective'))
+    checks = [op for op in graph.get_operations() if op.name == 'tf1_syncbn_check_towers']
+    assert len(checks) == 1   # one per host, not per layer or tower
+    with make_session(graph, 2) as sess:
+        sess.run(tf1.global_variables_initializer())
+        for _ in range(2):
+            sess.run(ys, {x: np.ones((2, 3)) for x in xs})
+
+
+def test_eager_mode_is_a_clear_error():
+    code = ('import tensorflow as tf, tf1_syncbn\n'
+            'try:\n'
+            '    tf1_syncbn.sync_batch_norm(tf.ones([2, 3]))\n'
+            'except RuntimeError as e:\n'
+            '    print("RuntimeError:", e)\n'
+            'try:\n'
+            '    tf1_syncbn.BatchNorm("bn", tf.ones([2, 3]))\n'
+            'except RuntimeError as e:\n'
+            '    print("RuntimeError:", e)\n')
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                         timeout=120, env={'TF_CPP_MIN_LOG_LEVEL': '3', 'PATH': ''}).stdout
+    assert out.count('disable_eager_execution()') == 2, out
+    assert "BatchNorm('bn') needs graph mode" in out
+
+
+# --- tower name conventions ---------------------------------------------------------
+
+@pytest.mark.parametrize('name,index', [
+    ('tower3/conv', 3), ('tower_3/conv', 3), ('clone_3/conv', 3), ('a/clone_12/b', 12),
+    ('towers3/conv', None), ('xtower_1', None), ('clone_1x/b', None), ('clone1/b', None)])
+def test_tower_index_from_name_knows_the_harness_conventions(name, index):
+    assert tower_index_from_name(name) == index
+
+
+@pytest.mark.parametrize('name', ['tower0/conv1/BatchNorm', 'tower_0/conv1/BatchNorm',
+                                  'clone_0/conv1/BatchNorm', 'conv1/BatchNorm'])
+def test_strip_tower_prefix_gives_one_name_for_every_convention(graph, name):
+    assert strip_tower_prefix(name) == 'conv1/BatchNorm'
+
+
+def test_a_registered_pattern_is_recognized_and_stripped(graph):
+    register_tower_pattern(r'gpu([0-9]+)')
+    try:
+        assert 'gpu([0-9]+)' in tower_patterns()
+        assert tower_index_from_name('gpu2/conv') == 2
+        assert strip_tower_prefix('gpu2/conv/BatchNorm') == 'conv/BatchNorm'
+        with tf.name_scope('gpu1'), pytest.raises(ValueError, match='tower 1 but num_dev=1'):
+            sync_batch_norm(ph(), num_dev=1)
+    finally:
+        unregister_tower_pattern(r'gpu([0-9]+)')
+    assert tower_index_from_name('gpu2/conv') is None
+
+
+@pytest.mark.parametrize('pattern,exc', [(3, TypeError), ('gpu', ValueError),
+                                         ('(a)(b)', ValueError), ('a/(\\d)', ValueError),
+                                         ('(', ValueError)])
+def test_register_tower_pattern_rejects_bad_patterns(pattern, exc):
+    with pytest.raises(exc):
+        register_tower_pattern(pattern)
+
+
+def test_builtin_patterns_cannot_be_removed():
+    with pytest.raises(ValueError, match='built in'):
+        unregister_tower_pattern(r'clone_([0-9]+)')
+    with pytest.raises(ValueError, match='not registered'):
+        unregister_tower_pattern(r'nothing([0-9]+)')
