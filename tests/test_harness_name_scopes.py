@@ -26,7 +26,7 @@ import tensorflow as tf
 import tf_slim as slim
 
 from conftest import make_session
-from tf1_syncbn import SyncBNWarning, sync_batch_norm
+from tf1_syncbn import SyncBNWarning, sync_arg_scope, sync_batch_norm
 from tower import average_gradients
 
 tf1 = tf.compat.v1
@@ -191,6 +191,33 @@ def test_harness_equals_one_device_on_the_concatenated_batch(towers, keep, harne
     graph = result[2]
     collectives = [op for op in graph.get_operations() if op.type == 'CollectiveReduce']
     assert len(collectives) == 2 * towers   # one layer: one all-reduce forward, one backward
+
+
+def test_model_deploy_with_sync_arg_scope_around_a_slim_batch_norm_net():
+    """The README's model_deploy recipe: the net names slim.batch_norm; clone_fn wraps it."""
+    towers = 2
+
+    def build(images, labels, optimizer):
+        image_parts, label_parts = tf.split(images, towers), tf.split(labels, towers)
+        losses, grads = [], []
+        for i in range(towers):
+            with tf.name_scope('clone_%d' % i), tf.device('/cpu:%d' % i):
+                with tf1.variable_scope(tf1.get_variable_scope(), reuse=True if i > 0 else None):
+                    # clone_fn: the only change is the sync_arg_scope line.
+                    with sync_arg_scope(sync_statistics='collective', num_dev=towers):
+                        loss = model(image_parts[i], label_parts[i], slim.batch_norm,
+                                     {'decay': DECAY, 'epsilon': EPS, 'scale': True})
+                    losses.append(loss)
+                    grads.append(optimizer.compute_gradients(loss / towers))
+        summed = [(tf.add_n([g[k][0] for g in grads]), grads[0][k][1])
+                  for k in range(len(grads[0]))]
+        with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, 'clone_0')):
+            train_op = optimizer.apply_gradients(summed)
+        return tf.add_n(losses) / towers, train_op
+
+    result = _train(build, towers)
+    _assert_matches_reference(result, _reference(towers))
+    assert len([op for op in result[2].get_operations() if op.type == 'CollectiveReduce']) == 4
 
 
 def test_model_deploy_clone_on_cpu_is_a_build_error():
