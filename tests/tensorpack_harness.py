@@ -214,8 +214,18 @@ def predict(checkpoint):
     return dict(conv=conv1, bn=bn1, bn_again=bn2, ema_mean=ema[0], ema_var=ema[1])
 
 
+def argscope_channels_first():
+    """The way tensorpack's own models are written: argscope over Conv2D and our BatchNorm."""
+    from tensorpack.tfutils.tower import TrainTowerContext
+    with tf.Graph().as_default(), TrainTowerContext(''):
+        with argscope([Conv2D, tf1_syncbn.BatchNorm], data_format='channels_first'):
+            y = tf1_syncbn.BatchNorm('bn', tf1.placeholder(tf.float32, [None, 5, 4, 4]))
+        return {'gamma_shape': y.variables.gamma.shape.as_list(),
+                'use_scope': tf1_syncbn.BatchNorm.use_scope}
+
+
 def main():
-    results, info = {}, {}
+    results, info = {}, {'argscope': argscope_channels_first()}
 
     def keep(name, sink, variables):
         results['losses/' + name] = np.array(sink['losses'])

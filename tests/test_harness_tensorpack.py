@@ -74,6 +74,13 @@ def test_trainer_equals_tensorpack_on_one_device(harness, run):
     assert not np.allclose(ours['bn/mean/EMA'], 0.0)
 
 
+def test_tensorpack_argscope_accepts_our_layer(harness):
+    # with argscope([Conv2D, tf1_syncbn.BatchNorm], data_format='channels_first'):
+    # an [N, 5, 4, 4] input then has 5 channels.
+    _, info = harness
+    assert info['argscope'] == {'gamma_shape': [5], 'use_scope': True}
+
+
 def test_patch_tensorpack_switches_calls_by_name_and_is_restored(harness):
     _, info = harness
     assert '__main__' in info['patched_modules']          # the script's own imported name
