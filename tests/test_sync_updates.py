@@ -136,3 +136,25 @@ def test_an_empty_global_batch_updates_nothing(graph, rng, towers, options):
     for v, b, a in zip(variables, before, after):
         np.testing.assert_array_equal(a, b, err_msg=v.op.name)
     assert any(np.any(b != 0) and 'mean' in v.op.name for v, b in zip(variables, before))
+
+
+def test_a_tower_built_before_the_main_one_still_triggers_its_updates(graph, rng):
+    # Name-scope towers built in the order 1, 0: tower 1's trigger is created
+    # before tower 0 builds the updates, and gets them as control inputs then.
+    xs = {}
+    for i in (1, 0):
+        with tf.device('/cpu:%d' % i), tf.name_scope('tower_%d' % i):
+            with tf1.variable_scope(tf1.get_variable_scope(), reuse=tf1.AUTO_REUSE):
+                x = tf1.placeholder(tf.float32, [None, 3])
+                xs[i] = (x, sync_batch_norm(x, num_dev=2, decay=0.5, scope='bn',
+                                            sync_statistics=CollectiveBackend(timeout=60)))
+    last = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, 'tower_1/')
+    assert [op.type for op in last] == ['NoOp'] and len(last[0].control_inputs) == 2
+    data = rng.randn(6, 3).astype(np.float32) + 2
+    with make_session(graph, 2) as sess:
+        sess.run(tf1.global_variables_initializer())
+        sess.run([xs[0][1], xs[1][1]] + last, {xs[0][0]: data[:4], xs[1][0]: data[4:]})
+        mm, mv = sess.run([var('bn/moving_mean'), var('bn/moving_variance')])
+    f = bn_forward(data, 1, 0, 1e-3)
+    np.testing.assert_allclose(mm, 0.5 * f['mean'], rtol=1e-5)
+    np.testing.assert_allclose(mv, 0.5 + 0.5 * f['var_unbiased'], rtol=1e-5)
