@@ -65,7 +65,7 @@ from tower.context import get_current_tower_context
 tf1 = tf.compat.v1
 log = logging.getLogger(__name__)
 
-__all__ = ['Cluster', 'setup_cluster', 'all_reduce_gradients', 'DistributedOptimizer',
+__all__ = ['Cluster', 'setup_cluster', 'session_config', 'unreachable_peers', 'all_reduce_gradients', 'DistributedOptimizer',
            'broadcast_variables', 'average_across_workers', 'WorkerSession', 'wait_for_peers',
            'ClusterError', 'PeerMissingError', 'WorkerLostError', 'hard_exit',
            'DEFAULT_BUCKET_BYTES', 'DEFAULT_STARTUP_TIMEOUT', 'EXIT_STARTUP_HANG']
@@ -266,6 +266,28 @@ def setup_cluster(towers=1, hosts=None, task=None, device_type='CPU', collective
     _check_number(collective_timeout, 'collective_timeout', 0)
     _check_number(startup_timeout, 'startup_timeout', 0, allow_equal=False)
 
+    spec, job, job_task = _resolve(hosts, task)
+    if spec is None:
+        addresses, jobs, rank = [], [('worker', 0)], 0
+    else:
+        jobs = [(j, i) for j in _TRAINING_JOBS for i in range(len(spec.get(j, [])))]
+        addresses = [spec[j][i] for j, i in jobs]
+        rank = jobs.index((job, job_task))
+    local = len(addresses) <= 1
+    new_config = session_config(towers, device_type, None if local else jobs, rank, config)
+    server = None
+    if not local:
+        server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=job,
+                                      task_index=job_task, config=new_config, start=True)
+        log.info('worker %d of %d (%s:%d) serving on %s', rank, len(addresses), job, job_task,
+                 addresses[rank])
+    return Cluster(server, new_config, addresses, jobs, rank, towers,
+                   _tower_devices(jobs, rank, towers, device_type, local), device_type,
+                   float(collective_timeout), float(startup_timeout))
+
+
+def _resolve(hosts, task):
+    """(cluster dict or None, job, task index) from ``hosts``/``task`` or TF_CONFIG."""
     if hosts is not None:
         if isinstance(hosts, str):
             hosts = [h for h in hosts.split(',') if h]
@@ -277,46 +299,49 @@ def setup_cluster(towers=1, hosts=None, task=None, device_type='CPU', collective
         if isinstance(task, bool) or not isinstance(task, int) or not 0 <= task < len(hosts):
             raise ValueError('setup_cluster: task must be an int in [0, %d) with hosts=%r, got %r.'
                              % (len(hosts), hosts, task))
-        spec, job, job_task = {'worker': hosts}, 'worker', task
-    else:
-        if task is not None:
-            raise ValueError('setup_cluster: task=%r needs hosts.' % (task,))
-        resolved = _cluster_from_tf_config()
-        if resolved is None:
-            spec, job, job_task = None, 'worker', 0
-        else:
-            spec, job, job_task = resolved
+        return {'worker': hosts}, 'worker', task
+    if task is not None:
+        raise ValueError('setup_cluster: task=%r needs hosts.' % (task,))
+    resolved = _cluster_from_tf_config()
+    if resolved is None:
+        return None, 'worker', 0
+    spec, job, job_task = resolved
+    if job_task >= len(spec.get(job, [])):
+        raise ValueError('setup_cluster: TF_CONFIG task %s:%d is not in its cluster %r.'
+                         % (job, job_task, spec))
+    return resolved
 
-    if spec is None:
-        addresses, jobs, rank = [], [('worker', 0)], 0
-    else:
-        jobs = [(j, i) for j in _TRAINING_JOBS for i in range(len(spec.get(j, [])))]
-        addresses = [spec[j][i] for j, i in jobs]
-        if (job, job_task) not in jobs:
-            raise ValueError('setup_cluster: task %s:%d is not in the cluster %r.'
-                             % (job, job_task, spec))
-        rank = jobs.index((job, job_task))
-    local = len(addresses) <= 1
 
+def session_config(towers, device_type, jobs=None, rank=0, config=None):
+    """The ``ConfigProto`` of a worker's sessions (what :func:`setup_cluster` returns).
+
+    Args:
+      towers: towers per worker; with ``device_type='CPU'`` at least this many
+        CPU devices are asked for.
+      device_type: ``'CPU'`` or ``'GPU'``.
+      jobs: ``(job, task)`` of every worker in rank order, or None for one worker.
+      rank: this worker's index in ``jobs``.
+      config: a ``ConfigProto`` to start from (copied).
+
+    Returns:
+      A ``ConfigProto`` with, for several workers,
+      ``experimental.collective_group_leader`` set to worker 0 and
+      ``device_filters`` set to this task (each session sees only its own
+      devices, so creating it never waits for the other workers).
+    """
     new_config = tf1.ConfigProto()
     if config is not None:
         new_config.CopyFrom(config)
     if device_type == 'CPU':
         new_config.device_count['CPU'] = max(towers, new_config.device_count.get('CPU', 1))
-    server = None
-    if not local:
+    if jobs is not None and len(jobs) > 1:
         leader_job, leader_task = jobs[0]
+        job, job_task = jobs[rank]
         new_config.experimental.collective_group_leader = \
             '/job:%s/replica:0/task:%d' % (leader_job, leader_task)
         del new_config.device_filters[:]
         new_config.device_filters.append('/job:%s/task:%d' % (job, job_task))
-        server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=job,
-                                      task_index=job_task, config=new_config, start=True)
-        log.info('worker %d of %d (%s:%d) serving on %s', rank, len(addresses), job, job_task,
-                 addresses[rank])
-    return Cluster(server, new_config, addresses, jobs, rank, towers,
-                   _tower_devices(jobs, rank, towers, device_type, local), device_type,
-                   float(collective_timeout), float(startup_timeout))
+    return new_config
 
 
 def _reachable(address, timeout=1.0):

@@ -219,6 +219,7 @@ class Launcher(object):
         if self._poll():
             return
         self._signal_groups(signal.SIGTERM)
+        self._signal_groups(signal.SIGCONT)   # a stopped (frozen) worker can then act on it
         deadline = time.time() + self.kill_after
         while time.time() < deadline:
             if self._poll():
