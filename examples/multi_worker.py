@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
@@ -128,6 +129,9 @@ def worker_main(args):
         result = run_worker(cluster)
     except ClusterError as e:
         print('FAIL: %s' % e, flush=True)
+        hard_exit(1)
+    except Exception:       # noqa: BLE001 - leave through hard_exit (see its docstring)
+        traceback.print_exc()
         hard_exit(1)
     error = check([result], cluster.num_workers, cluster.towers)
     ok = error < 1e-4

@@ -68,6 +68,7 @@ import os
 import shutil
 import sys
 import time
+import traceback
 import warnings
 
 # Hides TensorFlow's C++ INFO and WARNING logs, among them the "still waiting
@@ -607,6 +608,11 @@ def main(argv=None):
         status = run_worker(args, cluster)
     except ClusterError as e:
         print('FAIL: %s' % e, flush=True)
+        status = 1
+    except Exception:       # noqa: BLE001 - a worker must still leave through hard_exit
+        if not worker_mode:
+            raise
+        traceback.print_exc()
         status = 1
     if worker_mode:
         # A TensorFlow server cannot be stopped; leave without the interpreter's

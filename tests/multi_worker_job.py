@@ -52,6 +52,7 @@ def parse_args(argv=None):
     p.add_argument('--collective-timeout', type=float, default=30.0)
     p.add_argument('--startup-timeout', type=float, default=60.0)
     p.add_argument('--bucket-bytes', type=int, default=64)
+    p.add_argument('--hang-timeout', type=float)
     return p.parse_args(argv)
 
 
@@ -126,7 +127,8 @@ def train(opts, cluster):
         variables = tf1.global_variables()
     me = 'worker %d' % cluster.rank
     print('%s: graph built, starting the session' % me, flush=True)
-    session = WorkerSession(cluster, checkpoint_dir=opts.checkpoint_dir, graph=graph)
+    session = WorkerSession(cluster, checkpoint_dir=opts.checkpoint_dir, graph=graph,
+                            hang_timeout=opts.hang_timeout)
     print('%s: started at step %d%s' % (me, session.start_step,
                                        ' (restored %s)' % session.restored_from
                                        if session.restored_from else ''), flush=True)

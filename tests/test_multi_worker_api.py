@@ -6,6 +6,7 @@ What needs several processes is in test_multi_worker_training.py.
 import json
 import os
 import socket
+import threading
 
 import numpy as np
 import pytest
@@ -251,6 +252,7 @@ def test_worker_session_on_one_worker_saves_and_resumes(no_tf_config, tmp_path):
         assert session.start_step == 0
         np.testing.assert_allclose(session.session.run(v), [7.0, 7.0])
     assert sorted(os.listdir(ckpt))[0] == 'checkpoint'
+    assert not [t for t in threading.enumerate() if t.name == 'tf1_syncbn-watchdog']
 
 
 def test_worker_session_single_worker_errors_are_tensorflows(no_tf_config):

@@ -5,13 +5,15 @@ dense and sparse gradients, momentum), started by :class:`tf1_syncbn.launch.Laun
 The reference is the same job on one worker with 4 towers, run in this
 process, whose gradients go through ``tower.average_gradients``.
 
-Four launches in all, shared between the checks through module fixtures:
+Five launches in all, shared between the checks through module fixtures:
 the uninterrupted run, the run whose worker 1 is killed, the run that resumes
-from the killed run's checkpoint, and a worker whose peer never starts.
+from the killed run's checkpoint, and (at the same time) two lone workers whose
+leader is missing or does not speak gRPC.
 """
 
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -165,17 +167,61 @@ def test_resume_from_the_chiefs_checkpoint_equals_the_uninterrupted_run(killed, 
                                        atol=1e-7, err_msg='worker %d: %s' % (rank, name))
 
 
-def test_a_worker_missing_at_startup_is_named_within_the_startup_timeout():
-    startup_timeout = 3.0
-    launcher = Launcher(job_argv('--startup-timeout', startup_timeout), 2, env=job_env(),
-                        output=None, tasks=[1]).start()
-    status = launcher.wait(timeout=120)
-    text = output(launcher)
-    assert status != 0, text
+STARTUP_TIMEOUT = 3.0
+HANG_TIMEOUT = 6.0
+
+
+@pytest.fixture(scope='module')
+def startup_failures():
+    """Worker 1 alone, twice at the same time: its leader (worker 0) is
+
+    * ``missing``: not listening at all;
+    * ``mute``: a TCP listener that accepts connections but never speaks gRPC,
+      so the peer check passes and TensorFlow then waits forever (as when the
+      leader dies right after the check): the watchdog must end the process.
+    """
+    from tf1_syncbn.launch import free_ports
+    mute = socket.socket()
+    mute.bind(('localhost', 0))
+    mute.listen(8)
+    try:
+        launchers = {
+            'missing': Launcher(job_argv('--startup-timeout', STARTUP_TIMEOUT), 2,
+                                env=job_env(), output=None, tasks=[1]),
+            'mute': Launcher(job_argv('--startup-timeout', STARTUP_TIMEOUT, '--hang-timeout',
+                                      HANG_TIMEOUT), 2, env=job_env(), output=None, tasks=[1],
+                             addresses=['localhost:%d' % mute.getsockname()[1],
+                                        'localhost:%d' % free_ports(1)[0]])}
+        for launcher in launchers.values():
+            launcher.start()
+        statuses = {name: launcher.wait(timeout=120) for name, launcher in launchers.items()}
+    finally:
+        mute.close()
+    return {name: (launchers[name], statuses[name]) for name in launchers}
+
+
+def _elapsed_until(launcher, marker):
+    """Seconds from worker 1's 'starting the session' line to its first line containing marker."""
     lines, times = launcher.lines[1], launcher.times[1]
     started = [t for t, line in zip(times, lines) if 'starting the session' in line]
-    errors = [(t, line) for t, line in zip(times, lines) if line.startswith('ERROR')]
-    assert started and errors, text
-    assert 'worker 0 (%s) did not answer' % launcher.addresses[0] in errors[0][1], text
-    assert errors[0][0] - started[0] < startup_timeout + 5, text
+    found = [(t, line) for t, line in zip(times, lines) if marker in line]
+    assert started and found, output(launcher)
+    return found[0][0] - started[0], found[0][1]
+
+
+def test_a_worker_missing_at_startup_is_named_within_the_startup_timeout(startup_failures):
+    launcher, status = startup_failures['missing']
+    assert status == 1, output(launcher)
+    elapsed, line = _elapsed_until(launcher, 'ERROR')
+    assert 'worker 0 (%s) did not answer' % launcher.addresses[0] in line, output(launcher)
+    assert elapsed < STARTUP_TIMEOUT + 5, output(launcher)
+    assert_no_process_left(launcher)
+
+
+def test_a_start_up_that_tensorflow_blocks_ends_by_the_watchdog(startup_failures):
+    from tf1_syncbn.distributed import EXIT_STARTUP_HANG
+    launcher, status = startup_failures['mute']
+    assert status == EXIT_STARTUP_HANG, output(launcher)
+    elapsed, line = _elapsed_until(launcher, 'session start-up still blocked')
+    assert HANG_TIMEOUT - 0.5 < elapsed < HANG_TIMEOUT + 5, output(launcher)
     assert_no_process_left(launcher)

@@ -39,8 +39,8 @@ Hang conditions, and what turns each into an error:
   first step makes TensorFlow retry ``GetStepSequence`` forever inside
   ``Session.run``, a wait no TensorFlow timeout covers. A watchdog thread ends
   the process (status :data:`EXIT_STARTUP_HANG`) when session start-up is
-  still blocked ``startup_timeout`` seconds plus a margin later, because that
-  C++ wait cannot be interrupted from Python.
+  still blocked ``hang_timeout`` seconds later (by default twice the start-up
+  timeout plus 30 s), because that C++ wait cannot be interrupted from Python.
 * A peer that dies or freezes during training: every collective has the
   cluster's ``collective_timeout``, so the next step fails within it (a dead
   peer's connection usually fails within a second); :meth:`WorkerSession.run`
@@ -65,8 +65,8 @@ from tower.context import get_current_tower_context
 tf1 = tf.compat.v1
 log = logging.getLogger(__name__)
 
-__all__ = ['Cluster', 'setup_cluster', 'session_config', 'unreachable_peers', 'all_reduce_gradients', 'DistributedOptimizer',
-           'broadcast_variables', 'average_across_workers', 'WorkerSession', 'wait_for_peers',
+__all__ = ['Cluster', 'setup_cluster', 'session_config', 'unreachable_peers',
+           'all_reduce_gradients', 'DistributedOptimizer', 'broadcast_variables', 'average_across_workers', 'WorkerSession', 'wait_for_peers',
            'ClusterError', 'PeerMissingError', 'WorkerLostError', 'hard_exit',
            'DEFAULT_BUCKET_BYTES', 'DEFAULT_STARTUP_TIMEOUT', 'EXIT_STARTUP_HANG']
 
@@ -585,7 +585,7 @@ def all_reduce_gradients(tower_grads, cluster=None, name='gradients',
     num_towers = len(tower_grads) * workers
     variables = [v for _, v in tower_grads[0]]
     if workers == 1:
-        return _average_local(tower_grads, variables, num_towers, sparse_as_dense)
+        return _average_local(tower_grads, sparse_as_dense)
 
     graph = tf1.get_default_graph()
     result = [None] * len(variables)
@@ -602,6 +602,8 @@ def all_reduce_gradients(tower_grads, cluster=None, name='gradients',
                 result[i] = tf.IndexedSlices(gathered.values * scale, gathered.indices,
                                              gathered.dense_shape)
             else:
+                if not s.shape.is_fully_defined() and variables[i].shape.is_fully_defined():
+                    s = tf.reshape(s, variables[i].shape)
                 _check_static(s, 'the gradient of %s' % variables[i].op.name)
                 dense.append((i, s))
         for b, (dtype, bucket) in enumerate(_buckets(dense, bucket_bytes)):
@@ -613,7 +615,7 @@ def all_reduce_gradients(tower_grads, cluster=None, name='gradients',
     return list(zip(result, variables))
 
 
-def _average_local(tower_grads, variables, num_towers, sparse_as_dense):
+def _average_local(tower_grads, sparse_as_dense):
     """One worker: the classic in-graph average (``tower.average_gradients``)."""
     from tower import average_gradients
     if not sparse_as_dense:
@@ -826,6 +828,7 @@ class _Watchdog(object):
         self._cond = threading.Condition()
         self._deadline = None
         self._message = None
+        self._stopped = False
         self._thread = threading.Thread(target=self._watch, name='tf1_syncbn-watchdog',
                                         daemon=True)
         self._thread.start()
@@ -841,9 +844,15 @@ class _Watchdog(object):
             self._deadline = None
             self._cond.notify()
 
+    def stop(self):
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join()
+
     def _watch(self):
         with self._cond:
-            while True:
+            while not self._stopped:
                 if self._deadline is None:
                     self._cond.wait()
                     continue
@@ -895,9 +904,9 @@ class WorkerSession(object):
        ``startup_timeout`` gives :class:`PeerMissingError`.
 
     Steps 3 to 5 run under a watchdog that ends the process with status
-    :data:`EXIT_STARTUP_HANG` when they are still blocked
-    ``2 * startup_timeout + 30`` seconds later (TensorFlow waits forever for
-    a group leader that disappeared after step 2, see the module docstring).
+    :data:`EXIT_STARTUP_HANG` when they are still blocked ``hang_timeout``
+    seconds later (TensorFlow waits forever for a group leader that
+    disappeared after step 2, see the module docstring).
 
     :attr:`start_step` is the global step after start-up (the restored step,
     or 0): a job that feeds data by step resumes exactly where it stopped.
@@ -917,24 +926,24 @@ class WorkerSession(object):
       init_fn: called as ``init_fn(session)`` on the chief when nothing was
         restored, after the initializer and before the broadcast (for example
         to load pre-trained weights); the broadcast then carries its values.
-      step_timeout: when set, :meth:`run` ends the process (status
-        :data:`EXIT_STARTUP_HANG`) if one call is still blocked after this many
-        seconds; a guard for waits that the collective timeout does not cover.
+      hang_timeout: seconds after which a start-up (steps 3 to 5) that is
+        still blocked ends the process; None means ``2 * startup_timeout + 30``.
 
     Hangs: see the steps above; every wait is bounded by ``startup_timeout``
     or the collective timeout.
     """
 
     def __init__(self, cluster, checkpoint_dir=None, saver=None, variables=None, init_op=None,
-                 graph=None, max_to_keep=5, restore=True, init_fn=None, step_timeout=None):
+                 graph=None, max_to_keep=5, restore=True, init_fn=None, hang_timeout=None):
         self.cluster = cluster
         self._restore = restore
         self._init_fn = init_fn
         self.checkpoint_dir = checkpoint_dir
         self.graph = graph if graph is not None else tf1.get_default_graph()
         self.restored_from = None
-        self._step_timeout = step_timeout
+        self._hang_timeout = hang_timeout
         self._session = None
+        self._watchdog = None
         with self.graph.as_default():
             if init_op is None:
                 init_op = tf.group(tf1.global_variables_initializer(),
@@ -949,14 +958,20 @@ class WorkerSession(object):
             self._global_step = tf1.train.get_global_step()
         self._init_op = init_op
         self._watchdog = _Watchdog()
-        self._start()
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
 
     def _start(self):
         cluster = self.cluster
         me = cluster.describe(cluster.rank)
         started = time.time()
         wait_for_peers(cluster)
-        limit = 2 * cluster.startup_timeout + 30
+        limit = self._hang_timeout
+        if limit is None:
+            limit = 2 * cluster.startup_timeout + 30
 
         def stuck():
             missing = unreachable_peers(cluster)
@@ -1016,11 +1031,6 @@ class WorkerSession(object):
             collective executor is then aborted: exit (:func:`hard_exit`) and
             restart the job, which resumes from the chief's checkpoint.
         """
-        if self._step_timeout:
-            self._watchdog.arm(self._step_timeout, '%s: a step is still blocked after %g s; '
-                               'exiting with status %d.' % (
-                                   self.cluster.describe(self.cluster.rank), self._step_timeout,
-                                   EXIT_STARTUP_HANG))
         try:
             return self._session.run(fetches, feed_dict, options, run_metadata)
         except _LOST_ERRORS as e:
@@ -1034,9 +1044,6 @@ class WorkerSession(object):
                    'not answering: ' + ', '.join(missing) if missing else
                    'every peer still accepts connections, so one is frozen, stopped or '
                    'failed its step')) from None
-        finally:
-            if self._step_timeout:
-                self._watchdog.disarm()
 
     def save(self, global_step=None):
         """Saves a checkpoint on the chief; does nothing elsewhere.
@@ -1056,9 +1063,13 @@ class WorkerSession(object):
                                 global_step=step)
 
     def close(self):
+        """Closes the session and stops the watchdog thread."""
         if self._session is not None:
             self._session.close()
             self._session = None
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
 
     def __enter__(self):
         return self
