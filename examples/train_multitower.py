@@ -506,6 +506,9 @@ def run_worker(args, cluster):
         else:
             final[name] = local_accuracy
             where = 'this worker\'s variables'
+            if spec is None and cluster.num_workers > 1:
+                where += ('; unsynchronized batch norm updates its moving statistics from this '
+                          'worker\'s own tower 0, so they differ from the chief\'s')
         print('%-9s %.1f s, held-out accuracy %.2f%% (%s)'
               % (name, history['seconds'], 100 * final[name], where))
     passed, lines = verdict(final, args.min_accuracy, args.backend)
@@ -542,9 +545,10 @@ def run_worker(args, cluster):
             print('Plot copied to %s (the picture for the README).' % os.path.relpath(DOCS_PLOT))
         print('Total time: %.1f s' % (time.time() - start))
     else:
-        print('%s: %s (computed with this worker\'s variables, which the broadcast and the '
-              'all-reduced gradients keep equal to the chief\'s; metrics.json, checkpoints and '
-              'the plot are written by worker 0)' % (me, lines[-1]))
+        print('%s: %s (computed with this worker\'s variables, which the broadcast, the '
+              'all-reduced gradients and the synchronized statistics keep equal to the '
+              'chief\'s; metrics.json, checkpoints and the plot are written by worker 0)'
+              % (me, lines[-1]))
     return 0 if passed else 1
 
 

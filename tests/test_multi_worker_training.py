@@ -140,6 +140,7 @@ def test_a_killed_worker_fails_the_others_within_the_timeout_and_nothing_is_left
     errors = [(t, line) for t, line in zip(launcher.times[0], launcher.lines[0])
               if line.startswith('ERROR')]
     assert errors and 'a worker was lost' in errors[0][1], text
+    assert 'not answering: worker 1 (%s)' % launcher.addresses[1] in errors[0][1], text
     assert errors[0][0] - killed['killed_at'] < COLLECTIVE_TIMEOUT + 10, text
     assert_no_process_left(launcher)
 

@@ -353,10 +353,21 @@ def _reachable(address, timeout=1.0):
         return False
 
 
-def unreachable_peers(cluster):
-    """The peers (``Cluster.describe`` strings) whose server does not accept connections now."""
-    return [cluster.describe(r) for r in range(len(cluster.addresses))
-            if r != cluster.rank and not _reachable(cluster.addresses[r])]
+def unreachable_peers(cluster, settle=0.0):
+    """The peers (``Cluster.describe`` strings) whose server does not accept connections.
+
+    Args:
+      cluster: a :class:`Cluster`.
+      settle: while every peer still answers, probe again for up to this many
+        seconds (a killed process's port closes only when its exit completes).
+    """
+    deadline = time.time() + settle
+    while True:
+        missing = [cluster.describe(r) for r in range(len(cluster.addresses))
+                   if r != cluster.rank and not _reachable(cluster.addresses[r])]
+        if missing or time.time() >= deadline:
+            return missing
+        time.sleep(0.25)
 
 
 def wait_for_peers(cluster, timeout=None):
@@ -1036,7 +1047,7 @@ class WorkerSession(object):
         except _LOST_ERRORS as e:
             if self.cluster.num_workers == 1:
                 raise
-            missing = unreachable_peers(self.cluster)
+            missing = unreachable_peers(self.cluster, settle=2.0)
             raise WorkerLostError(
                 '%s: a worker was lost during training (%s; %s). Every worker stops: restart '
                 'the job, which resumes from the chief\'s latest checkpoint.'
