@@ -1,70 +1,90 @@
 """SyncBN vs per-tower batch norm: a small conv net on scikit-learn's digits.
 
-The main job of ``make demo``. It trains the same conv net twice, on 4 towers
-of virtual CPUs with 2 examples per tower (a global batch of 8):
+The main job of ``make demo``. It trains the same conv net twice, by default
+on one worker with 4 towers of virtual CPUs and 2 examples per tower (a
+global batch of 8):
 
 * ``sync``: ``sync_batch_norm`` with ``sync_statistics='auto'`` (collective
   all-reduce between the towers): every tower normalizes with the statistics
   of the global batch of 8;
-* ``per-tower``: the same layer with ``sync_statistics=None``: every tower
+* ``per_tower``: the same layer with ``sync_statistics=None``: every tower
   normalizes with the statistics of its own 2 examples, as plain batch norm in
   a multi-GPU script does.
 
 Both runs use in-graph replication (``tower.call_for_each_tower``, variables
-shared by the towers), ``tower.average_gradients`` and one momentum optimizer,
+shared by the towers), :class:`tf1_syncbn.DistributedOptimizer` around one
+momentum optimizer (with one worker: the classic in-graph gradient average),
 start from the same weights and see the same batches. The batch-norm
 moving-average updates (``UPDATE_OPS``, built on tower 0) run in the same
 ``session.run`` as the train op, as a control dependency: SyncBN's updates
 need the forward pass of every tower in the same step.
 
-Every ``--eval-every`` steps the held-out set is scored with an inference path
-(``is_training=False``: moving statistics) that shares the variables. At the
-end, the sync model is saved with ``tf.compat.v1.train.Saver``, restored into
-a separate single-tower inference graph and scored there; the per-tower model
-gets the same treatment. A PNG plot of both runs' loss and accuracy goes to
-``--out-dir`` (``--update-docs`` also copies it to ``docs/demo.png``).
+Several workers (data-parallel over processes or machines, on TensorFlow's
+collective runtime; see README "Multiple machines"):
+
+* ``--workers W --towers T`` starts W local worker processes of T towers each
+  (:mod:`tf1_syncbn.launch`), waits for them and prints the verdict;
+* ``--hosts h0:port,h1:port --task i`` (or ``TF_CONFIG``) runs one worker of
+  a cluster, one per host.
+
+The global batch is ``workers * towers * batch_per_tower``; the batch of step
+``s`` is a function of ``s`` and ``--seed`` only, and worker ``r`` takes its
+``r``-th slice. So ``--workers 2 --towers 2`` follows ``--workers 1 --towers
+4`` step by step. Batch norm is synchronized over every tower of every worker
+(``CollectiveBackend(num_workers=W)``), gradients are averaged over all
+towers, and every worker starts from worker 0's weights (broadcast).
+
+Every ``--eval-every`` steps the chief scores the held-out set with an
+inference path (``is_training=False``: moving statistics). Every
+``--save-every`` steps and at the end, only the chief (worker 0) saves a
+checkpoint (all variables, optimizer slots and the step) into
+``--out-dir/<run>/``; ``--resume`` continues both runs from there (the chief
+restores, the broadcast carries the values to the others) and, since data
+follow the step, continues as the uninterrupted run would. At the end, the
+chief restores each model into a single-tower inference graph and scores it,
+writes ``metrics.json`` (per-step losses and held-out accuracy of ``sync`` and
+``per_tower``) and a plot into ``--out-dir`` (``--update-docs`` also copies
+the plot to ``docs/demo.png``).
 
 What to expect (2 CPU cores, about 35 s for both runs): at 2 examples per
 tower the per-tower model's held-out accuracy falls to ~70% (its 2-example
 statistics are far from the moving statistics used at inference) while
-SyncBN, with 8-example statistics, reaches ~99%. At ``--batch-per-tower 4``
-SyncBN still trains to a ~10x lower training loss, but on this easy data set
-both reach ~99% held-out accuracy.
+SyncBN, with 8-example statistics, reaches ~99%.
 
 The job exits with status 1 when the SyncBN model's held-out accuracy is
-below ``--min-accuracy`` (default 0.95).
+below ``--min-accuracy`` (default 0.95), or when a worker fails.
 
 Usage::
 
     python examples/train_multitower.py [--towers 4] [--batch-per-tower 2]
         [--steps 900] [--backend auto|collective|none] [--out-dir demo_out/]
-        [--seed 0] [--min-accuracy 0.95]
+        [--seed 0] [--min-accuracy 0.95] [--workers 1] [--resume]
+    python examples/train_multitower.py --hosts h0:2222,h1:2222 --task 0 --towers 2
 """
 
 import argparse
+import json
 import os
 import shutil
 import sys
 import time
+import traceback
 import warnings
 
+# Hides TensorFlow's C++ INFO and WARNING logs, among them the "still waiting
+# for response from worker" messages of a session that waits for a peer. The
+# multi-worker start-up check of tf1_syncbn reports missing peers by name
+# instead; run with TF_CPP_MIN_LOG_LEVEL=0 to see TensorFlow's own messages.
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
-import matplotlib  # noqa: E402
-
-matplotlib.use('Agg')
-
-import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import tf_slim as slim  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-from sklearn.model_selection import train_test_split  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
-from tf1_syncbn import CollectiveBackend, sync_batch_norm  # noqa: E402
-from tower import (average_gradients, call_for_each_tower, get_current_tower_context,  # noqa: E402
-                   virtual_cpu_config)
+from tf1_syncbn import DistributedOptimizer, sync_batch_norm  # noqa: E402
+from tf1_syncbn.distributed import (ClusterError, WorkerSession,  # noqa: E402
+                                    average_across_workers, hard_exit, setup_cluster)
+from tower import call_for_each_tower, get_current_tower_context  # noqa: E402
 
 tf1 = tf.compat.v1
 
@@ -75,39 +95,68 @@ warnings.filterwarnings('ignore', message=r'`(layer\.apply|tf\.layers\.flatten)`
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS_PLOT = os.path.join(REPO, 'docs', 'demo.png')
 NUM_CLASSES = 10
+RUNS = ('sync', 'per_tower')
+LABELS = {'sync': 'SyncBN', 'per_tower': 'per-tower BN'}
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        description='Train a small conv net on sklearn digits on N towers, with SyncBN and '
-                    'with per-tower batch norm, and plot both.')
-    parser.add_argument('--towers', type=int, default=4, help='number of towers (virtual CPUs)')
+        description='Train a small conv net on sklearn digits on N towers (and W workers), '
+                    'with SyncBN and with per-tower batch norm, and plot both.')
+    parser.add_argument('--towers', type=int, default=4,
+                        help='towers per worker (virtual CPUs)')
     parser.add_argument('--batch-per-tower', type=int, default=2,
-                        help='examples per tower and step (default 4)')
+                        help='examples per tower and step (default 2)')
     parser.add_argument('--steps', type=int, default=900, help='training steps per run')
     parser.add_argument('--backend', choices=('auto', 'collective', 'none'), default='auto',
                         help="sync_statistics of the SyncBN run ('none': no sync, which "
                              "makes both runs the same)")
-    parser.add_argument('--out-dir', default='demo_out/', help='checkpoints and plot go here')
+    parser.add_argument('--out-dir', default='demo_out/',
+                        help='checkpoints, metrics.json and the plot go here (on the chief)')
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--lr', type=float, default=0.05, help='initial learning rate')
     parser.add_argument('--eval-every', type=int, default=50,
                         help='score the held-out set every this many steps')
+    parser.add_argument('--save-every', type=int, default=100,
+                        help='the chief saves a checkpoint every this many steps (0: at the '
+                             'end only)')
+    parser.add_argument('--resume', action='store_true',
+                        help='continue both runs from the checkpoints in --out-dir')
     parser.add_argument('--min-accuracy', type=float, default=0.95,
                         help='fail (exit 1) when the SyncBN model scores below this')
     parser.add_argument('--update-docs', action='store_true',
                         help='also copy the plot to docs/demo.png (the README picture)')
+    group = parser.add_argument_group('multiple workers')
+    group.add_argument('--workers', type=int, default=1,
+                       help='start this many local worker processes (default 1: this process)')
+    group.add_argument('--hosts', help='host:port of every worker, comma-separated; with --task '
+                                       'run that one worker here')
+    group.add_argument('--task', type=int, help="this worker's index in --hosts")
+    group.add_argument('--collective-timeout', type=float, default=60.0,
+                       help='seconds a collective waits for the other workers (a lost worker '
+                            'makes the others fail within it)')
+    group.add_argument('--startup-timeout', type=float, default=120.0,
+                       help='seconds to wait for every worker at start-up')
     args = parser.parse_args(argv)
-    for name in ('towers', 'batch_per_tower', 'steps', 'eval_every'):
+    for name in ('towers', 'batch_per_tower', 'steps', 'eval_every', 'workers'):
         if getattr(args, name) < 1:
             parser.error('--%s must be at least 1' % name.replace('_', '-'))
-    if args.towers * args.batch_per_tower < 2:
+    if args.save_every < 0:
+        parser.error('--save-every must be at least 0')
+    if args.task is not None and not args.hosts:
+        parser.error('--task needs --hosts')
+    if args.hosts and args.task is None and args.workers != len(args.hosts.split(',')):
+        parser.error('--hosts without --task launches one local worker per host: give '
+                     '--workers %d' % len(args.hosts.split(',')))
+    if args.towers * args.batch_per_tower * args.workers < 2:
         parser.error('the global batch needs at least 2 examples')
     return args
 
 
 def load_data(seed):
     """Digits as [N, 8, 8, 1] float32 in [0, 1]; a stratified 75/25 split."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
     digits = load_digits()
     images = (digits.images / 16.0).astype(np.float32)[..., None]
     labels = digits.target.astype(np.int32)
@@ -115,12 +164,32 @@ def load_data(seed):
                             stratify=labels)
 
 
-def sync_spec(backend):
+def batch_indices(step, global_batch, num_examples, seed):
+    """The training examples of step ``step``: a function of the step, not of the history.
+
+    Epoch ``e`` visits the examples in the order of a permutation seeded with
+    ``(seed, e)``; step ``s`` takes positions ``s * global_batch`` onwards of
+    the concatenated epochs. So a run resumed at step ``s`` sees the batches
+    the uninterrupted run sees.
+    """
+    positions = np.arange(step * global_batch, (step + 1) * global_batch)
+    epochs = positions // num_examples
+    out = np.empty(global_batch, np.int64)
+    for epoch in np.unique(epochs):
+        mask = epochs == epoch
+        order = np.random.RandomState([seed, int(epoch)]).permutation(num_examples)
+        out[mask] = order[positions[mask] % num_examples]
+    return out
+
+
+def sync_spec(backend, cluster):
     """The ``sync_statistics`` value of the SyncBN run."""
     if backend == 'none':
         return None
+    if cluster.num_workers > 1:
+        return cluster.backend()          # CollectiveBackend(num_workers=W)
     if backend == 'collective':
-        return CollectiveBackend(timeout=60)
+        return cluster.backend(timeout=60)
     return 'auto'
 
 
@@ -141,19 +210,20 @@ def model(images, is_training, sync_statistics):
                                     scope='logits')
 
 
-def build_training_graph(args, sync_statistics):
-    """Towers, averaged gradients, the train op (with UPDATE_OPS) and an eval path."""
+def build_training_graph(args, sync_statistics, cluster):
+    """Towers, all-reduced gradients, the train op (with UPDATE_OPS) and an eval path."""
     graph = tf.Graph()
     with graph.as_default():
         tf1.set_random_seed(args.seed)
-        towers, per_tower = args.towers, args.batch_per_tower
+        towers, per_tower = cluster.towers, args.batch_per_tower
         images = tf1.placeholder(tf.float32, [towers * per_tower, 8, 8, 1], name='images')
         labels = tf1.placeholder(tf.int32, [towers * per_tower], name='labels')
         image_parts = tf.split(images, towers)
         label_parts = tf.split(labels, towers)
         global_step = tf1.train.get_or_create_global_step()
         learning_rate = tf1.train.cosine_decay(args.lr, global_step, args.steps, alpha=0.02)
-        optimizer = tf1.train.MomentumOptimizer(learning_rate, 0.9)
+        optimizer = DistributedOptimizer(tf1.train.MomentumOptimizer(learning_rate, 0.9),
+                                         cluster)
 
         def tower_fn():
             i = get_current_tower_context().index
@@ -164,20 +234,23 @@ def build_training_graph(args, sync_statistics):
                                        label_parts[i]), tf.float32)
             return loss, tf.reduce_mean(correct), optimizer.compute_gradients(loss)
 
-        devices = ['/cpu:%d' % i for i in range(towers)]
-        results = call_for_each_tower(tower_fn, devices)
+        results = call_for_each_tower(tower_fn, cluster.tower_devices)
         loss = tf.add_n([r[0] for r in results]) / towers
         accuracy = tf.add_n([r[1] for r in results]) / towers
-        grads = average_gradients([r[2] for r in results])
+        # The mean over every tower of every worker (one small all-reduce).
+        loss, accuracy = average_across_workers([loss, accuracy], cluster)
         # The moving-average updates of every batch-norm layer (built on tower 0)
-        # run in the same step as the forward pass of all towers.
+        # run in the same step as the forward pass of all towers. Gradients are
+        # summed over this worker's towers, all-reduced across workers in packed
+        # buckets and divided by the number of towers of the cluster.
         update_ops = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
         with tf.control_dependencies(update_ops):
-            train_op = optimizer.apply_gradients(grads, global_step=global_step)
+            train_op = optimizer.apply_gradients([r[2] for r in results],
+                                                 global_step=global_step)
 
         # Inference path for the held-out curve: one tower, moving statistics,
         # the training variables.
-        with tf.device('/cpu:0'), tf1.name_scope('eval'), \
+        with tf.device(cluster.tower_devices[0]), tf1.name_scope('eval'), \
                 tf1.variable_scope(tf1.get_variable_scope(), reuse=True):
             eval_images = tf1.placeholder(tf.float32, [None, 8, 8, 1], name='images')
             eval_labels = tf1.placeholder(tf.int32, [None], name='labels')
@@ -191,63 +264,135 @@ def build_training_graph(args, sync_statistics):
             feeds = {k: tf1.placeholder(v.dtype.base_dtype, v.shape)
                      for k, v in trainable.items()}
             set_weights = tf.group(*[v.assign(feeds[k]) for k, v in trainable.items()])
-        saver = tf1.train.Saver(tf1.model_variables() + [global_step])
-        init = tf1.global_variables_initializer()
+        # Everything, optimizer slots and the step included, so that a run resumes exactly.
+        saver = tf1.train.Saver(max_to_keep=2)
     return dict(graph=graph, images=images, labels=labels, loss=loss, accuracy=accuracy,
-                train_op=train_op, update_ops=update_ops, eval_images=eval_images,
-                eval_labels=eval_labels, eval_loss=eval_loss,
-                eval_predictions=eval_predictions, trainable=trainable, weight_feeds=feeds,
-                set_weights=set_weights, saver=saver, init=init)
+                train_op=train_op, eval_images=eval_images, eval_labels=eval_labels,
+                eval_loss=eval_loss, eval_predictions=eval_predictions, trainable=trainable,
+                weight_feeds=feeds, set_weights=set_weights, saver=saver)
 
 
-def train(name, args, sync_statistics, data, ckpt_path, initial_values=None):
-    """Trains one run; returns its history, its checkpoint and its initial weights."""
+def _new_history():
+    return {'step': [], 'loss': [], 'accuracy': [], 'eval_step': [], 'eval_accuracy': [],
+            'eval_loss': []}
+
+
+def _history_until(history, step):
+    """The entries of ``history`` up to (and including) ``step``."""
+    out = _new_history()
+    kept = sum(1 for s in history['step'] if s <= step)
+    evals = sum(1 for s in history['eval_step'] if s <= step)
+    for key in out:
+        out[key] = history[key][:evals if key.startswith('eval_') else kept]
+    return out
+
+
+def clear_checkpoints(run_dir):
+    """Removes an earlier run's checkpoints and history (the chief, before a fresh run)."""
+    if not os.path.isdir(run_dir):
+        return
+    for name in os.listdir(run_dir):
+        if name == 'checkpoint' or name.startswith('model.ckpt') or name == 'history.json':
+            os.remove(os.path.join(run_dir, name))
+
+
+def train(name, args, sync_statistics, data, run_dir, cluster, initial_values=None):
+    """Trains one run on this worker.
+
+    Returns:
+      ``(history, checkpoint path or None, initial weights, final held-out accuracy
+      of the in-session eval path)``.
+    """
     x_train, x_test, y_train, y_test = data
-    net = build_training_graph(args, sync_statistics)
-    rng = np.random.RandomState(args.seed)
-    global_batch = args.towers * args.batch_per_tower
-    history = {'step': [], 'loss': [], 'accuracy': [], 'eval_step': [], 'eval_accuracy': [],
-               'eval_loss': []}
-    order = np.array([], np.int64)
-    start = time.time()
-    with tf1.Session(graph=net['graph'], config=virtual_cpu_config(args.towers)) as sess:
-        sess.run(net['init'])
-        if initial_values is None:
-            initial_values = sess.run(net['trainable'])
-        else:
-            sess.run(net['set_weights'], {ph: initial_values[k]
-                                          for k, ph in net['weight_feeds'].items()})
-        bar = tqdm(range(1, args.steps + 1), desc='%-9s' % name, unit='step',
+    chief = cluster.is_chief
+    net = build_training_graph(args, sync_statistics, cluster)
+    if chief:
+        os.makedirs(run_dir, exist_ok=True)
+        if not args.resume:
+            clear_checkpoints(run_dir)
+    history_path = os.path.join(run_dir, 'history.json')
+    global_batch = cluster.num_towers * args.batch_per_tower
+    local = slice(cluster.rank * cluster.towers * args.batch_per_tower,
+                  (cluster.rank + 1) * cluster.towers * args.batch_per_tower)
+
+    def set_initial_weights(session):
+        if initial_values is not None:
+            session.run(net['set_weights'], {ph: initial_values[k]
+                                             for k, ph in net['weight_feeds'].items()})
+
+    started = time.time()
+    # Checks the peers, initializes, restores the chief's latest checkpoint
+    # (with --resume) and broadcasts worker 0's variables to every worker.
+    session = WorkerSession(cluster, checkpoint_dir=run_dir, saver=net['saver'],
+                            graph=net['graph'], restore=args.resume,
+                            init_fn=set_initial_weights)
+    start = session.start_step
+    history = _new_history()
+    if start and chief and os.path.exists(history_path):
+        with open(history_path) as f:
+            history = _history_until(json.load(f), start)
+    if start == 0 and initial_values is None:
+        initial_values = session.session.run(net['trainable'])
+    if session.restored_from:
+        print('%-9s resumed at step %d from %s' % (name, start, session.restored_from))
+
+    def evaluate():
+        predictions, eval_loss = session.session.run(
+            [net['eval_predictions'], net['eval_loss']],
+            {net['eval_images']: x_test, net['eval_labels']: y_test})
+        return float(np.mean(predictions == y_test)), float(eval_loss)
+
+    def save(step):
+        path = session.save()
+        if path:
+            with open(history_path, 'w') as f:
+                json.dump(history, f)
+        return path
+
+    bar = None
+    if cluster.num_workers == 1 and not cluster.server:
+        from tqdm import tqdm
+        bar = tqdm(total=args.steps, initial=start, desc='%-9s' % name, unit='step',
                    dynamic_ncols=True, file=sys.stdout, mininterval=0.5)
-        run_loss = run_acc = None
-        for step in bar:
-            if len(order) < global_batch:
-                order = np.concatenate([order, rng.permutation(len(x_train))])
-            batch, order = order[:global_batch], order[global_batch:]
-            loss, acc, _ = sess.run([net['loss'], net['accuracy'], net['train_op']],
-                                    {net['images']: x_train[batch],
-                                     net['labels']: y_train[batch]})
-            history['step'].append(step)
-            history['loss'].append(float(loss))
-            history['accuracy'].append(float(acc))
-            run_loss = loss if run_loss is None else 0.95 * run_loss + 0.05 * loss
-            run_acc = acc if run_acc is None else 0.95 * run_acc + 0.05 * acc
-            if step % args.eval_every == 0 or step == args.steps:
-                predictions, eval_loss = sess.run(
-                    [net['eval_predictions'], net['eval_loss']],
-                    {net['eval_images']: x_test, net['eval_labels']: y_test})
-                history['eval_step'].append(step)
-                history['eval_accuracy'].append(float(np.mean(predictions == y_test)))
-                history['eval_loss'].append(float(eval_loss))
+    report_every = max(1, args.steps // 10)
+    run_loss = run_acc = None
+    path = tf1.train.latest_checkpoint(run_dir) if chief else None
+    for step in range(start + 1, args.steps + 1):
+        batch = batch_indices(step - 1, global_batch, len(x_train), args.seed)[local]
+        loss, acc, _ = session.run([net['loss'], net['accuracy'], net['train_op']],
+                                   {net['images']: x_train[batch],
+                                    net['labels']: y_train[batch]})
+        history['step'].append(step)
+        history['loss'].append(float(loss))
+        history['accuracy'].append(float(acc))
+        run_loss = loss if run_loss is None else 0.95 * run_loss + 0.05 * loss
+        run_acc = acc if run_acc is None else 0.95 * run_acc + 0.05 * acc
+        if chief and (step % args.eval_every == 0 or step == args.steps):
+            accuracy, eval_loss = evaluate()
+            history['eval_step'].append(step)
+            history['eval_accuracy'].append(accuracy)
+            history['eval_loss'].append(eval_loss)
+        if (args.save_every and step % args.save_every == 0) or step == args.steps:
+            path = save(step) or path
+        if bar is not None:
+            bar.update(1)
             if step % 10 == 0 or step == args.steps:
                 postfix = {'loss': '%.3f' % run_loss, 'acc': '%.3f' % run_acc}
                 if history['eval_accuracy']:
                     postfix['held-out'] = '%.3f' % history['eval_accuracy'][-1]
                 bar.set_postfix(postfix, refresh=False)
+        elif chief and (step % report_every == 0 or step == args.steps):
+            print('%-9s step %d/%d  loss %.3f  acc %.3f%s' % (
+                name, step, args.steps, run_loss, run_acc,
+                '  held-out %.3f' % history['eval_accuracy'][-1]
+                if history['eval_accuracy'] else ''), flush=True)
+    if bar is not None:
         bar.close()
-        path = net['saver'].save(sess, ckpt_path)
-    history['seconds'] = time.time() - start
-    return history, path, initial_values
+    final_accuracy = evaluate()[0]
+    session.close()
+    history['seconds'] = time.time() - started
+    history['start_step'] = start
+    return history, path, initial_values, final_accuracy
 
 
 def evaluate_checkpoint(path, images, labels):
@@ -270,15 +415,20 @@ def _smooth(values, weight=0.9):
     return out
 
 
-def plot(histories, args, path):
+def plot(histories, args, global_batch, path):
     """Training and held-out loss and accuracy of both runs, 2x2 panels."""
-    colors = {'sync': 'tab:blue', 'per-tower': 'tab:red'}
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    colors = {'sync': 'tab:blue', 'per_tower': 'tab:red'}
     labels = {'sync': 'SyncBN (statistics of %d examples)',
-              'per-tower': 'per-tower BN (statistics of %d examples)'}
-    sizes = {'sync': args.towers * args.batch_per_tower, 'per-tower': args.batch_per_tower}
+              'per_tower': 'per-tower BN (statistics of %d examples)'}
+    sizes = {'sync': global_batch, 'per_tower': args.batch_per_tower}
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     (train_loss, train_acc), (eval_loss, eval_acc) = axes
     for name, h in histories.items():
+        if not h['step'] or not h['eval_step']:
+            continue
         label = labels[name] % sizes[name]
         style = dict(color=colors[name], label=label)
         train_loss.plot(h['step'], _smooth(h['loss']), **style)
@@ -291,63 +441,188 @@ def plot(histories, args, path):
     eval_acc.set_title('held-out accuracy (is_training=False: moving statistics)')
     train_loss.set_yscale('log')
     eval_loss.set_yscale('log')
-    last = min(min(h['eval_accuracy']) for h in histories.values())
-    eval_acc.set_ylim(max(0.0, min(0.9, last - 0.01)), 1.001)
+    lows = [min(h['eval_accuracy']) for h in histories.values() if h['eval_accuracy']]
+    if lows:
+        eval_acc.set_ylim(max(0.0, min(0.9, min(lows) - 0.01)), 1.001)
     train_acc.set_ylim(0.0, 1.01)
     for ax in axes.ravel():
         ax.set_xlabel('step')
         ax.grid(alpha=0.3)
         ax.legend(loc='best', fontsize=8)
-    fig.suptitle('sklearn digits, %d towers x %d examples per tower (global batch %d): '
+    workers = global_batch // (args.towers * args.batch_per_tower)
+    fig.suptitle('sklearn digits, %s%d towers x %d examples per tower (global batch %d): '
                  'synchronized vs per-tower batch norm'
-                 % (args.towers, args.batch_per_tower, args.towers * args.batch_per_tower))
+                 % ('%d workers x ' % workers if workers > 1 else '', args.towers,
+                    args.batch_per_tower, global_batch))
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
+def verdict(accuracies, min_accuracy, backend):
+    """(passed, lines): the final held-out accuracies and PASS/FAIL."""
+    passed = accuracies['sync'] >= min_accuracy
+    lines = ['  SyncBN (--backend %s): %.2f%%' % (backend, 100 * accuracies['sync']),
+             '  per-tower BN (sync_statistics=None): %.2f%%' % (100 * accuracies['per_tower']),
+             '%s: SyncBN held-out accuracy %.2f%% %s --min-accuracy %.2f%%' % (
+                 'PASS' if passed else 'FAIL', 100 * accuracies['sync'],
+                 '>=' if passed else 'is below', 100 * min_accuracy)]
+    return passed, lines
+
+
+def run_worker(args, cluster):
+    """Both runs on this worker (the only one, or one of a cluster). Returns the exit status."""
+    out_dir = os.path.abspath(args.out_dir)
+    chief = cluster.is_chief
+    if chief:
+        os.makedirs(out_dir, exist_ok=True)
+    data = load_data(args.seed)
+    global_batch = cluster.num_towers * args.batch_per_tower
+    me = cluster.describe(cluster.rank) if cluster.num_workers > 1 else None
+    if chief:
+        print('sklearn digits: %d training, %d held-out images (8x8); %s%d towers x %d examples '
+              'per tower = global batch %d; %d steps per run.'
+              % (len(data[0]), len(data[1]),
+                 '%d workers x ' % cluster.num_workers if cluster.num_workers > 1 else '',
+                 cluster.towers, args.batch_per_tower, global_batch, args.steps))
+    start = time.time()
+    initial_path = os.path.join(out_dir, 'initial_weights.npz')
+    initial_values = None
+    if chief and args.resume and os.path.exists(initial_path):
+        initial_values = dict(np.load(initial_path))
+    histories, checkpoints, final = {}, {}, {}
+    for name in RUNS:
+        spec = sync_spec(args.backend, cluster) if name == 'sync' else None
+        run_dir = os.path.join(out_dir, name)
+        history, checkpoints[name], values, local_accuracy = train(
+            name, args, spec, data, run_dir, cluster, initial_values)
+        if chief and initial_values is None and values is not None:
+            np.savez(initial_path, **values)
+        initial_values = values if values is not None else initial_values
+        histories[name] = history
+        if chief and checkpoints[name]:
+            final[name] = evaluate_checkpoint(checkpoints[name], data[1], data[3])
+            where = 'single-tower inference graph restored from %s' % checkpoints[name]
+        else:
+            final[name] = local_accuracy
+            where = 'this worker\'s variables'
+            if spec is None and cluster.num_workers > 1:
+                where += ('; unsynchronized batch norm updates its moving statistics from this '
+                          'worker\'s own tower 0, so they differ from the chief\'s')
+        print('%-9s %.1f s, held-out accuracy %.2f%% (%s)'
+              % (name, history['seconds'], 100 * final[name], where))
+    passed, lines = verdict(final, args.min_accuracy, args.backend)
+    if chief:
+        metrics = {
+            'workers': cluster.num_workers, 'towers': cluster.towers,
+            'batch_per_tower': args.batch_per_tower, 'global_batch': global_batch,
+            'steps': args.steps, 'seed': args.seed, 'backend': args.backend,
+            'min_accuracy': args.min_accuracy, 'passed': passed,
+            'runs': {name: {'held_out_accuracy': final[name],
+                            'loss': histories[name]['loss'],
+                            'accuracy': histories[name]['accuracy'],
+                            'eval_step': histories[name]['eval_step'],
+                            'eval_accuracy': histories[name]['eval_accuracy'],
+                            'start_step': histories[name]['start_step'],
+                            'seconds': histories[name]['seconds'],
+                            'checkpoint': checkpoints[name]} for name in RUNS}}
+        metrics_path = os.path.join(out_dir, 'metrics.json')
+        with open(metrics_path, 'w') as f:
+            json.dump(metrics, f, indent=1)
+        plot_path = os.path.join(out_dir, 'syncbn_vs_per_tower.png')
+        plot(histories, args, global_batch, plot_path)
+        print()
+        print('Final held-out accuracy (is_training=False, single tower, %d images):'
+              % len(data[1]))
+        for line in lines:
+            print(line)
+        print('Checkpoint (sync model): %s' % checkpoints['sync'])
+        print('Metrics: %s' % metrics_path)
+        print('Plot: %s' % plot_path)
+        if args.update_docs:
+            os.makedirs(os.path.dirname(DOCS_PLOT), exist_ok=True)
+            shutil.copyfile(plot_path, DOCS_PLOT)
+            print('Plot copied to %s (the picture for the README).' % os.path.relpath(DOCS_PLOT))
+        print('Total time: %.1f s' % (time.time() - start))
+    else:
+        print('%s: %s (computed with this worker\'s variables, which the broadcast, the '
+              'all-reduced gradients and the synchronized statistics keep equal to the '
+              'chief\'s; metrics.json, checkpoints and the plot are written by worker 0)'
+              % (me, lines[-1]))
+    return 0 if passed else 1
+
+
+def launch_workers(args, argv):
+    """Starts ``--workers`` local worker processes running this script; prints the verdict."""
+    from tf1_syncbn.launch import launch
+    out_dir = os.path.abspath(args.out_dir)
+    metrics_path = os.path.join(out_dir, 'metrics.json')
+    if os.path.exists(metrics_path):
+        os.remove(metrics_path)
+    command = [sys.executable, os.path.abspath(__file__)] + list(argv)
+    addresses = args.hosts.split(',') if args.hosts else None
+    print('Starting %d local workers of %d towers each (tf1_syncbn.launch; a failed worker stops '
+          'the others)' % (args.workers, args.towers), flush=True)
+    status = launch(command, args.workers, addresses=addresses,
+                    grace=args.collective_timeout + 15)
+    print()
+    if not os.path.exists(metrics_path):
+        print('FAIL: a worker failed (exit status %d, see its lines above); no metrics.json was '
+              'written. Restart with --resume to continue from the chief\'s last checkpoint in %s.'
+              % (status, out_dir))
+        return status or 1
+    with open(metrics_path) as f:
+        metrics = json.load(f)
+    accuracies = {name: metrics['runs'][name]['held_out_accuracy'] for name in RUNS}
+    passed, lines = verdict(accuracies, args.min_accuracy, args.backend)
+    print('%d workers x %d towers x %d examples per tower (global batch %d), %d steps; final '
+          'held-out accuracy:' % (metrics['workers'], metrics['towers'],
+                                  metrics['batch_per_tower'], metrics['global_batch'],
+                                  metrics['steps']))
+    for line in lines:
+        print(line)
+    print('Metrics: %s' % metrics_path)
+    if status and passed:
+        print('FAIL: a worker exited with status %d.' % status)
+    return status or (0 if passed else 1)
+
+
+def _tf_config_cluster():
+    try:
+        return bool(json.loads(os.environ.get('TF_CONFIG') or '{}').get('cluster'))
+    except ValueError:
+        return True     # malformed: let TensorFlow's resolver say what is wrong
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     tf1.disable_eager_execution()
-    out_dir = os.path.abspath(args.out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    data = load_data(args.seed)
-    print('sklearn digits: %d training, %d held-out images (8x8); %d towers on virtual CPUs x '
-          '%d examples per tower = global batch %d; %d steps per run.'
-          % (len(data[0]), len(data[1]), args.towers, args.batch_per_tower,
-             args.towers * args.batch_per_tower, args.steps))
-    start = time.time()
-    runs = [('sync', sync_spec(args.backend)), ('per-tower', None)]
-    histories, checkpoints, final = {}, {}, {}
-    initial_values = None
-    for name, spec in runs:
-        ckpt = os.path.join(out_dir, name.replace('-', '_'), 'model.ckpt')
-        os.makedirs(os.path.dirname(ckpt), exist_ok=True)
-        history, checkpoints[name], initial_values = train(name, args, spec, data, ckpt,
-                                                           initial_values)
-        histories[name] = history
-        final[name] = evaluate_checkpoint(checkpoints[name], data[1], data[3])
-        print('%-9s %.1f s, held-out accuracy %.2f%% (single-tower inference graph restored '
-              'from %s)' % (name, history['seconds'], 100 * final[name], checkpoints[name]))
-    plot_path = os.path.join(out_dir, 'syncbn_vs_per_tower.png')
-    plot(histories, args, plot_path)
-    print()
-    print('Final held-out accuracy (is_training=False, single tower, %d images):'
-          % len(data[1]))
-    print('  SyncBN (--backend %s): %.2f%%' % (args.backend, 100 * final['sync']))
-    print('  per-tower BN (sync_statistics=None): %.2f%%' % (100 * final['per-tower']))
-    print('Checkpoint (sync model): %s' % checkpoints['sync'])
-    print('Plot: %s' % plot_path)
-    if args.update_docs:
-        os.makedirs(os.path.dirname(DOCS_PLOT), exist_ok=True)
-        shutil.copyfile(plot_path, DOCS_PLOT)
-        print('Plot copied to %s (the picture for the README).' % os.path.relpath(DOCS_PLOT))
-    print('Total time: %.1f s' % (time.time() - start))
-    if final['sync'] < args.min_accuracy:
-        print('FAIL: the SyncBN model scored %.2f%%, below --min-accuracy %.2f%%.'
-              % (100 * final['sync'], 100 * args.min_accuracy))
-        return 1
-    return 0
+    worker_mode = args.task is not None or _tf_config_cluster()
+    if args.workers > 1 and not worker_mode:
+        return launch_workers(args, argv)
+    try:
+        cluster = setup_cluster(towers=args.towers,
+                                hosts=args.hosts if args.task is not None else None,
+                                task=args.task, collective_timeout=args.collective_timeout,
+                                startup_timeout=args.startup_timeout)
+        if args.workers > 1 and cluster.num_workers != args.workers:
+            raise ValueError('--workers %d, but the cluster has %d workers.'
+                             % (args.workers, cluster.num_workers))
+        status = run_worker(args, cluster)
+    except ClusterError as e:
+        print('FAIL: %s' % e, flush=True)
+        status = 1
+    except Exception:       # noqa: BLE001 - a worker must still leave through hard_exit
+        if not worker_mode:
+            raise
+        traceback.print_exc()
+        status = 1
+    if worker_mode:
+        # A TensorFlow server cannot be stopped; leave without the interpreter's
+        # shutdown, which can block or crash once peers are gone.
+        hard_exit(status)
+    return status
 
 
 if __name__ == '__main__':

@@ -8,6 +8,10 @@
 * Backends: :class:`CollectiveBackend`, :class:`NcclBackend`,
   :class:`HorovodBackend` (or the strings ``'collective'``, ``'nccl'``,
   ``'horovod'``, ``'auto'``).
+* Multiple workers (:mod:`tf1_syncbn.distributed`): :func:`setup_cluster`,
+  :class:`DistributedOptimizer`, :func:`all_reduce_gradients`,
+  :func:`broadcast_variables`, :class:`WorkerSession`; local worker processes:
+  ``python -m tf1_syncbn.launch`` (:mod:`tf1_syncbn.launch`).
 """
 
 from tf1_syncbn.backends import (CollectiveBackend, HorovodBackend, NcclBackend, SyncBackend,
@@ -17,9 +21,15 @@ from tf1_syncbn.tensorpack_layer import BatchNorm, BatchRenorm, start_finetuning
 from tf1_syncbn.convert import convert_arg_scope, sync_arg_scope
 from tf1_syncbn.tensorpack_compat import patch_tensorpack
 from tf1_syncbn._layer_core import SyncBNWarning
+from tf1_syncbn.distributed import (Cluster, ClusterError, DistributedOptimizer, PeerMissingError,
+                                    WorkerLostError, WorkerSession, all_reduce_gradients,
+                                    average_across_workers, broadcast_variables, setup_cluster)
 
 __all__ = ['sync_batch_norm', 'BatchNorm', 'BatchRenorm', 'start_finetuning', 'SyncBackend',
            'SyncKey', 'CollectiveBackend', 'NcclBackend', 'HorovodBackend']
 __all__ += ['sync_arg_scope', 'convert_arg_scope', 'patch_tensorpack', 'SyncBNWarning']
+__all__ += ['setup_cluster', 'Cluster', 'DistributedOptimizer', 'all_reduce_gradients',
+            'average_across_workers', 'broadcast_variables', 'WorkerSession', 'ClusterError',
+            'PeerMissingError', 'WorkerLostError']
 
 __version__ = '0.1.0'

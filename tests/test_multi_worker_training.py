@@ -1,0 +1,228 @@
+"""Multi-worker training with real worker processes on localhost (2 workers x 2 towers).
+
+The job is ``tests/multi_worker_job.py`` (a tiny model with sync_batch_norm,
+dense and sparse gradients, momentum), started by :class:`tf1_syncbn.launch.Launcher`.
+The reference is the same job on one worker with 4 towers, run in this
+process, whose gradients go through ``tower.average_gradients``.
+
+Five launches in all, shared between the checks through module fixtures:
+the uninterrupted run, the run whose worker 1 is killed, the run that resumes
+from the killed run's checkpoint, and (at the same time) two lone workers whose
+leader is missing or does not speak gRPC.
+"""
+
+import os
+import signal
+import socket
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf1_syncbn.launch import Launcher
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = os.path.join(ROOT, 'tests', 'multi_worker_job.py')
+STEPS = 6
+SAVE_EVERY = 3
+COLLECTIVE_TIMEOUT = 8.0
+META = ('steps', 'start_step', 'local_loss', 'global_loss')
+
+
+def job_argv(*extra):
+    return [sys.executable, JOB, '--towers', '2', '--collective-timeout',
+            str(COLLECTIVE_TIMEOUT)] + [str(e) for e in extra]
+
+
+def job_env():
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]),
+                TF_CPP_MIN_LOG_LEVEL='2')
+
+
+def run_job(args, timeout=240, **kwargs):
+    launcher = Launcher(job_argv(*args), 2, env=job_env(), output=None, **kwargs).start()
+    status = launcher.wait(timeout=timeout)
+    return launcher, status
+
+
+def output(launcher):
+    return '\n'.join('[worker %d] %s' % (i, line)
+                     for i, lines in enumerate(launcher.lines) for line in lines)[-6000:]
+
+
+def load(out_dir, rank):
+    return dict(np.load(os.path.join(out_dir, 'worker%d.npz' % rank)))
+
+
+def variable_names(results):
+    return sorted(k for k in results if k not in META and not k.startswith(('init/', 'start/')))
+
+
+def assert_no_process_left(launcher):
+    for pid in launcher.pids:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)     # nothing left in the worker's process group
+
+
+@pytest.fixture(scope='module')
+def reference():
+    """One worker, 4 towers, in this process (tower.average_gradients)."""
+    import multi_worker_job as job
+    from tf1_syncbn.distributed import setup_cluster
+    opts = job.parse_args(['--towers', '4', '--steps', str(STEPS)])
+    return job.train(opts, setup_cluster(towers=4))
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp('uninterrupted'))
+    launcher, status = run_job(['--steps', STEPS, '--differ-seeds', '--out', out])
+    assert status == 0, output(launcher)
+    return [load(out, 0), load(out, 1)]
+
+
+@pytest.fixture(scope='module')
+def killed(tmp_path_factory):
+    """Worker 1 is killed with SIGKILL after the chief's first checkpoint."""
+    ckpt = str(tmp_path_factory.mktemp('killed'))
+    launcher = Launcher(job_argv('--steps', 1000, '--save-every', SAVE_EVERY, '--step-delay', 0.3,
+                                 '--differ-seeds', '--checkpoint-dir', ckpt),
+                        2, env=job_env(), output=None, grace=60).start()
+    saved = 'model.ckpt-%d' % SAVE_EVERY
+    deadline = time.time() + 180
+    while not any(saved in line for line in list(launcher.lines[0])):
+        assert time.time() < deadline and launcher.procs[0].poll() is None, output(launcher)
+        time.sleep(0.02)
+    killed_at = time.time()
+    os.kill(launcher.pids[1], signal.SIGKILL)
+    status = launcher.wait(timeout=120)
+    return dict(launcher=launcher, status=status, killed_at=killed_at, checkpoint_dir=ckpt)
+
+
+def test_two_workers_of_two_towers_equal_one_worker_of_four_towers(reference, uninterrupted):
+    names = variable_names(reference)
+    assert {'BatchNorm/moving_mean', 'BatchNorm/moving_variance', 'embedding', 'bag',
+            'dense/kernel/Momentum', 'global_step'} <= set(names)
+    for rank, result in enumerate(uninterrupted):
+        np.testing.assert_allclose(result['global_loss'], reference['global_loss'], rtol=1e-5)
+        assert variable_names(result) == names
+        for name in names:
+            np.testing.assert_allclose(result[name], reference[name], rtol=1e-5, atol=1e-6,
+                                       err_msg='worker %d: %s' % (rank, name))
+    # The workers' own (tower-mean) losses average to the global loss.
+    np.testing.assert_allclose((uninterrupted[0]['local_loss'] + uninterrupted[1]['local_loss']) / 2,
+                               reference['global_loss'], rtol=1e-5)
+    # Every worker holds exactly the same variables.
+    for name in names:
+        np.testing.assert_array_equal(uninterrupted[0][name], uninterrupted[1][name], err_msg=name)
+
+
+def test_broadcast_makes_differently_seeded_workers_identical(uninterrupted):
+    first, second = uninterrupted
+    inits = [k[len('init/'):] for k in first if k.startswith('init/')]
+    assert len(inits) == 6
+    for name in inits:
+        if name != 'logits/bias':      # zeros whatever the seed
+            assert np.abs(first['init/' + name] - second['init/' + name]).max() > 0.1, name
+        np.testing.assert_array_equal(first['start/' + name], first['init/' + name])
+        np.testing.assert_array_equal(second['start/' + name], first['init/' + name])
+
+
+def test_a_killed_worker_fails_the_others_within_the_timeout_and_nothing_is_left(killed):
+    launcher = killed['launcher']
+    text = output(launcher)
+    assert killed['status'] != 0, text
+    assert launcher.failed == (1, -signal.SIGKILL), text
+    # The chief failed on its own (status 1), it was not stopped by the launcher.
+    assert launcher.exit_codes[0] == 1, text
+    errors = [(t, line) for t, line in zip(launcher.times[0], launcher.lines[0])
+              if line.startswith('ERROR')]
+    assert errors and 'a worker was lost' in errors[0][1], text
+    assert 'not answering: worker 1 (%s)' % launcher.addresses[1] in errors[0][1], text
+    assert errors[0][0] - killed['killed_at'] < COLLECTIVE_TIMEOUT + 10, text
+    assert_no_process_left(launcher)
+
+
+def test_resume_from_the_chiefs_checkpoint_equals_the_uninterrupted_run(killed, uninterrupted,
+                                                                        tmp_path):
+    ckpt = killed['checkpoint_dir']
+    saved = tf.train.latest_checkpoint(ckpt)
+    step = int(saved.rsplit('-', 1)[1])
+    assert SAVE_EVERY <= step < STEPS, saved
+    # Only the chief wrote.
+    assert all(name.startswith(('model.ckpt', 'checkpoint')) for name in os.listdir(ckpt))
+    out = str(tmp_path)
+    launcher, status = run_job(['--steps', STEPS, '--differ-seeds', '--checkpoint-dir', ckpt,
+                                '--out', out])
+    assert status == 0, output(launcher)
+    assert any('restored' in line for line in launcher.lines[0]), output(launcher)
+    for rank in range(2):
+        resumed = load(out, rank)
+        assert int(resumed['start_step']) == step
+        np.testing.assert_allclose(resumed['global_loss'],
+                                   uninterrupted[rank]['global_loss'][step:], rtol=1e-6)
+        for name in variable_names(uninterrupted[rank]):
+            np.testing.assert_allclose(resumed[name], uninterrupted[rank][name], rtol=1e-6,
+                                       atol=1e-7, err_msg='worker %d: %s' % (rank, name))
+
+
+STARTUP_TIMEOUT = 3.0
+HANG_TIMEOUT = 6.0
+
+
+@pytest.fixture(scope='module')
+def startup_failures():
+    """Worker 1 alone, twice at the same time: its leader (worker 0) is
+
+    * ``missing``: not listening at all;
+    * ``mute``: a TCP listener that accepts connections but never speaks gRPC,
+      so the peer check passes and TensorFlow then waits forever (as when the
+      leader dies right after the check): the watchdog must end the process.
+    """
+    from tf1_syncbn.launch import free_ports
+    mute = socket.socket()
+    mute.bind(('localhost', 0))
+    mute.listen(8)
+    try:
+        launchers = {
+            'missing': Launcher(job_argv('--startup-timeout', STARTUP_TIMEOUT), 2,
+                                env=job_env(), output=None, tasks=[1]),
+            'mute': Launcher(job_argv('--startup-timeout', STARTUP_TIMEOUT, '--hang-timeout',
+                                      HANG_TIMEOUT), 2, env=job_env(), output=None, tasks=[1],
+                             addresses=['localhost:%d' % mute.getsockname()[1],
+                                        'localhost:%d' % free_ports(1)[0]])}
+        for launcher in launchers.values():
+            launcher.start()
+        statuses = {name: launcher.wait(timeout=120) for name, launcher in launchers.items()}
+    finally:
+        mute.close()
+    return {name: (launchers[name], statuses[name]) for name in launchers}
+
+
+def _elapsed_until(launcher, marker):
+    """Seconds from worker 1's 'starting the session' line to its first line containing marker."""
+    lines, times = launcher.lines[1], launcher.times[1]
+    started = [t for t, line in zip(times, lines) if 'starting the session' in line]
+    found = [(t, line) for t, line in zip(times, lines) if marker in line]
+    assert started and found, output(launcher)
+    return found[0][0] - started[0], found[0][1]
+
+
+def test_a_worker_missing_at_startup_is_named_within_the_startup_timeout(startup_failures):
+    launcher, status = startup_failures['missing']
+    assert status == 1, output(launcher)
+    elapsed, line = _elapsed_until(launcher, 'ERROR')
+    assert 'worker 0 (%s) did not answer' % launcher.addresses[0] in line, output(launcher)
+    assert elapsed < STARTUP_TIMEOUT + 5, output(launcher)
+    assert_no_process_left(launcher)
+
+
+def test_a_start_up_that_tensorflow_blocks_ends_by_the_watchdog(startup_failures):
+    from tf1_syncbn.distributed import EXIT_STARTUP_HANG
+    launcher, status = startup_failures['mute']
+    assert status == EXIT_STARTUP_HANG, output(launcher)
+    elapsed, line = _elapsed_until(launcher, 'session start-up still blocked')
+    assert HANG_TIMEOUT - 0.5 < elapsed < HANG_TIMEOUT + 5, output(launcher)
+    assert_no_process_left(launcher)
