@@ -28,7 +28,7 @@ the SGD update (with the moving-average updates), so no gradient work can be
 skipped.
 
 Usage: python bench/network_step.py [--towers 4] [--batch 4] [--size 64]
-           [--steps 20] [--warmup 3] [--stock] [--no-memory]
+           [--steps 20] [--warmup 3] [--stock] [--no-memory] [--timeout S]
 """
 
 import argparse
@@ -56,13 +56,12 @@ NUM_CLASSES = 10
 VARIANTS = ('unsync', 'sync', 'sync_stock')
 
 
-def _sync_statistics(variant):
-    if variant == 'unsync':
-        return None
-    return CollectiveBackend(timeout=300)
+def backend(timeout):
+    """The collective backend: the library's default timeout unless ``timeout`` is given."""
+    return CollectiveBackend() if timeout is None else CollectiveBackend(timeout=timeout)
 
 
-def build(variant, towers, batch, size):
+def build(variant, towers, batch, size, timeout=None):
     """One graph and session of ``variant``; returns ``(session, fetch, graph)``."""
     graph = tf.Graph()
     with graph.as_default(), kernels.use_custom_kernels(variant != 'sync_stock'):
@@ -76,7 +75,8 @@ def build(variant, towers, batch, size):
             labels = tf1.Variable(rng.randint(0, NUM_CLASSES, batch).astype(np.int32),
                                   trainable=False, name='labels')
             with sync_arg_scope(resnet_v1.resnet_arg_scope(),
-                                sync_statistics=_sync_statistics(variant)):
+                                sync_statistics=None if variant == 'unsync'
+                                else backend(timeout)):
                 logits, _ = resnet_v1.resnet_v1_50(images, num_classes=NUM_CLASSES)
             logits = tf.reshape(logits, [-1, NUM_CLASSES])
             loss = tf1.losses.sparse_softmax_cross_entropy(labels, logits,
@@ -111,10 +111,18 @@ def graph_counts(graph, towers):
 
 def measure_memory(variant, args):
     """Runs in a fresh process: builds ``variant``, runs steps, prints ru_maxrss (MB)."""
-    sess, fetch, _ = build(variant, args.towers, args.batch, args.size)
+    sess, fetch, _ = build(variant, args.towers, args.batch, args.size, args.timeout)
     for _ in range(args.memory_steps):
         sess.run(fetch)
-    print(json.dumps({'variant': variant, 'peak_mb': peak_rss_mb()}))
+    print(json.dumps({'variant': variant, 'peak_mb': peak_rss_mb(), 'threads': thread_count()}))
+
+
+def thread_count():
+    try:
+        with open('/proc/self/status') as f:
+            return int(next(l for l in f if l.startswith('Threads:')).split()[1])
+    except (OSError, StopIteration):
+        return -1
 
 
 def peak_rss_mb():
@@ -138,8 +146,10 @@ def memory_in_subprocess(variant, args):
     cmd = [sys.executable, os.path.abspath(__file__), '--memory-of', variant,
            '--towers', str(args.towers), '--batch', str(args.batch), '--size', str(args.size),
            '--memory-steps', str(args.memory_steps)]
+    if args.timeout is not None:
+        cmd += ['--timeout', repr(args.timeout)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])['peak_mb']
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main():
@@ -153,6 +163,10 @@ def main():
                         help="also time sync_batch_norm on TensorFlow's stock kernels")
     parser.add_argument('--no-memory', action='store_true', help='skip the memory runs')
     parser.add_argument('--memory-steps', type=int, default=3)
+    parser.add_argument('--memory-repeats', type=int, default=2)
+    parser.add_argument('--timeout', type=float, default=None,
+                        help="the collective backend's timeout in seconds (default: the "
+                        "library's default; 0: none)")
     parser.add_argument('--memory-of', choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     tf1.disable_eager_execution()
@@ -160,30 +174,41 @@ def main():
         measure_memory(args.memory_of, args)
         return
     variants = ['unsync', 'sync'] + (['sync_stock'] if args.stock else [])
-    built = {name: build(name, args.towers, args.batch, args.size) for name in variants}
+    built = {name: build(name, args.towers, args.batch, args.size, args.timeout)
+             for name in variants}
     med = median_times({name: b[:2] for name, b in built.items()}, args.steps, args.warmup,
                        block=3)
     print('resnet_v1_50 SGD step, %d towers x %d images of %dx%d, median of %d steps'
           % (args.towers, args.batch, args.size, args.size, args.steps))
     print(machine_line())
-    print('kernels: %s' % kernels.status())
+    print('kernels: %s; sync backend: %r' % (kernels.status(), backend(args.timeout)))
     for name in variants:
         collectives, layers, per_layer = graph_counts(built[name][2], args.towers)
         print('  %-11s %8.1f ms  %.3fx   %4d collectives/step, %d layers, %5.1f ops per '
               'layer per tower' % (name, med[name], med[name] / med['unsync'], collectives,
                                    layers, per_layer))
     print('  ratio sync / unsync: %.3fx  (target <= 1.08x)' % (med['sync'] / med['unsync']))
+    # TensorFlow starts one thread per collective op with a timeout, which
+    # sleeps for the whole timeout: they pile up at (collectives/s) x timeout.
+    print('  threads in this process after timing: %d' % thread_count())
     for _, (sess, _, _) in built.items():
         sess.close()
     if args.no_memory:
         return
-    peaks = {name: memory_in_subprocess(name, args) for name in variants}
+    peaks = {name: [] for name in variants}
+    for _ in range(args.memory_repeats):
+        for name in variants:
+            result = memory_in_subprocess(name, args)
+            peaks[name].append(result['peak_mb'])
+            threads = result['threads']
+    print('peak memory (VmHWM), fresh process per variant and run, %d steps, %d run(s) each'
+          % (args.memory_steps, args.memory_repeats))
+    base = min(peaks['unsync'])
     for name in variants:
-        print('  peak memory %-11s %7.0f MB  %.3fx' % (name, peaks[name],
-                                                       peaks[name] / peaks['unsync']))
-    print('  ratio peak memory sync / unsync: %.3fx  (target <= 1.03x)'
-          % (peaks['sync'] / peaks['unsync']))
-
+        print('  %-11s %7.0f - %7.0f MB  %.3fx (min vs min)'
+              % (name, min(peaks[name]), max(peaks[name]), min(peaks[name]) / base))
+    print('  ratio peak memory sync / unsync: %.3fx  (target <= 1.03x); last run had %d threads'
+          % (min(peaks['sync']) / base, threads))
 
 if __name__ == '__main__':
     main()
