@@ -293,3 +293,26 @@ def test_ahead_of_time_command(capsys, monkeypatch):
     monkeypatch.setattr(kernels, 'build', broken)
     assert command.main([]) == 1
     assert 'no C++ compiler: test' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('custom', [True, False])
+def test_control_inputs_precede_the_local_moments(graph, custom):
+    """train_normalize's control_inputs gate the first op that reads the input."""
+    from tf1_syncbn import _engine
+    x = tf1.placeholder(tf.float32, [2, 3, 1, 4])
+    check = tf.no_op(name='tower_check')
+    with kernels.use_custom_kernels(custom), tf.device('/cpu:0'):
+        _engine.train_normalize(x, 'NHWC', tf.ones([4]), tf.zeros([4]), 1e-3,
+                                control_inputs=[check])
+    moments = graph.get_operation_by_name('local_moments')
+    assert moments.type == ('SyncBnMoments' if custom else 'FusedBatchNormV3')
+    if custom:   # one op: it carries the control input itself
+        assert moments.control_inputs == [check]
+    ancestors, todo = set(), [moments]
+    while todo:
+        op = todo.pop()
+        for parent in [t.op for t in op.inputs] + list(op.control_inputs):
+            if parent not in ancestors:
+                ancestors.add(parent)
+                todo.append(parent)
+    assert check in ancestors
