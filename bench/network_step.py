@@ -27,6 +27,14 @@ Each step fetches a scalar that depends on every averaged gradient, and runs
 the SGD update (with the moving-average updates), so no gradient work can be
 skipped.
 
+The collective backend runs without a timeout here unless ``--timeout`` is
+given: TensorFlow starts one thread per collective op that has a timeout, and
+that thread sleeps for the whole timeout, so over a benchmark's steps they
+pile up to (collectives per second) x timeout threads (tens of thousands
+here, where the kernel allows 32768 in all), and their creation is most of
+the cost of synchronization. ``--timeout 600`` measures the library's
+default (``CollectiveBackend()``); keep ``--steps`` small with it.
+
 Usage: python bench/network_step.py [--towers 4] [--batch 4] [--size 64]
            [--steps 20] [--warmup 3] [--stock] [--no-memory] [--timeout S]
 """
@@ -49,6 +57,7 @@ from _timing import machine_line, median_times  # noqa: E402
 from tf_slim.nets import resnet_v1  # noqa: E402
 
 from tf1_syncbn import CollectiveBackend, kernels, sync_arg_scope  # noqa: E402
+from tf1_syncbn.backends import DEFAULT_TIMEOUT  # noqa: E402
 from tower import average_gradients, call_for_each_tower, virtual_cpu_config  # noqa: E402
 
 tf1 = tf.compat.v1
@@ -57,11 +66,11 @@ VARIANTS = ('unsync', 'sync', 'sync_stock')
 
 
 def backend(timeout):
-    """The collective backend: the library's default timeout unless ``timeout`` is given."""
-    return CollectiveBackend() if timeout is None else CollectiveBackend(timeout=timeout)
+    """The collective backend of the synchronized variants."""
+    return CollectiveBackend(timeout=timeout)
 
 
-def build(variant, towers, batch, size, timeout=None):
+def build(variant, towers, batch, size, timeout=0):
     """One graph and session of ``variant``; returns ``(session, fetch, graph)``."""
     graph = tf.Graph()
     with graph.as_default(), kernels.use_custom_kernels(variant != 'sync_stock'):
@@ -146,8 +155,7 @@ def memory_in_subprocess(variant, args):
     cmd = [sys.executable, os.path.abspath(__file__), '--memory-of', variant,
            '--towers', str(args.towers), '--batch', str(args.batch), '--size', str(args.size),
            '--memory-steps', str(args.memory_steps)]
-    if args.timeout is not None:
-        cmd += ['--timeout', repr(args.timeout)]
+    cmd += ['--timeout', repr(args.timeout)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -164,9 +172,10 @@ def main():
     parser.add_argument('--no-memory', action='store_true', help='skip the memory runs')
     parser.add_argument('--memory-steps', type=int, default=3)
     parser.add_argument('--memory-repeats', type=int, default=2)
-    parser.add_argument('--timeout', type=float, default=None,
-                        help="the collective backend's timeout in seconds (default: the "
-                        "library's default; 0: none)")
+    parser.add_argument('--timeout', type=float, default=0.0,
+                        help="the collective backend's timeout in seconds (default 0: none; "
+                        "the library's default is %g, see the module docstring)"
+                        % DEFAULT_TIMEOUT)
     parser.add_argument('--memory-of', choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     tf1.disable_eager_execution()
