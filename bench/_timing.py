@@ -1,5 +1,7 @@
-"""Interleaved timing shared by the benchmark scripts."""
+"""Interleaved timing and the machine line shared by the benchmark scripts."""
 
+import os
+import platform
 import time
 
 import numpy as np
@@ -30,3 +32,26 @@ def median_times(runs, steps, warmup, block=5):
                 sess.run(fetch)
                 times[name].append(time.perf_counter() - start)
     return {name: 1e3 * float(np.median(t)) for name, t in times.items()}
+
+
+def cpu_model():
+    """The CPU model name (``/proc/cpuinfo``, else ``platform.processor()``)."""
+    try:
+        with open('/proc/cpuinfo') as f:
+            for line in f:
+                if line.startswith('model name'):
+                    return line.split(':', 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_line():
+    """One line naming the machine the figures come from, and its load."""
+    import tensorflow as tf  # noqa: PLC0415 - scripts set TF's log level first
+    try:
+        load = ', load average %.2f' % os.getloadavg()[0]
+    except OSError:
+        load = ''
+    return 'machine: %s, %d cores, TensorFlow %s%s' % (cpu_model(), os.cpu_count(),
+                                                       tf.__version__, load)

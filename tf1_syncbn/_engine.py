@@ -22,14 +22,7 @@ from tf1_syncbn.backends import SyncKey, stable_hash
 from tower import strip_tower_prefix
 from tower._state import get_graph_state
 
-Moments = collections.namedtuple('Moments', ['mean', 'variance', 'count'])
-Moments.__doc__ = """Global batch statistics (float32, no gradient).
-
-Attributes:
-  mean: ``[C]`` mean over the global batch.
-  variance: ``[C]`` biased variance (``M2 / n``), the one used to normalize.
-  count: scalar, number of elements per channel in the global batch.
-"""
+Moments = _math.Moments
 
 
 # --------------------------------------------------------------------------
@@ -302,44 +295,40 @@ def train_normalize(x4, fmt, gamma, beta, epsilon, backend=None, key=None, contr
       the global statistics; ``gamma`` and ``beta`` receive this tower's share
       of their gradient (summing over towers gives the global gradient).
     """
-    channels = x4.shape[_math.channel_axis(fmt)]
-
     def all_reduce(tensor, direction):
         if backend is None:
             return tensor
         return backend.all_reduce(tensor, key, direction)
 
-    kernels = _math.kernels_for(key.device if key is not None else x4.device)
+    device = key.device if key is not None else x4.device
+    kernels = _math.kernels_for(device)
+    stats = []
 
+    # Per tower and layer: the local moments, one all-reduce and the normalize
+    # forward; the local sums, one all-reduce and the input gradient backward.
+    # Only y4 goes through the custom gradient; the statistics leave beside it
+    # and carry no gradient.
     @tf.custom_gradient
     def sync_bn(x4, gamma, beta):
-        device = key.device if key is not None else x4.device
         with tf.control_dependencies(control_inputs):
-            count, shift, mean_s, m2 = kernels.moments(x4, fmt)
-        packed = all_reduce(_math.pack_moments(count, shift, mean_s, m2), 'forward')
-        n64, mean64, var64 = _math.unpack_moments(packed, channels)
-        mean = tf.cast(mean64, _math.STAT_DTYPE)
-        var = tf.cast(var64, _math.STAT_DTYPE)
-        count_all = tf.cast(n64, _math.STAT_DTYPE)
-        y4, reserve = _math.normalize(x4, gamma, beta, mean, var, epsilon, fmt)
+            packed = kernels.moments(x4, fmt)
+        packed_sum = all_reduce(packed, 'forward')
+        y4, moments, saved = kernels.normalize(x4, packed_sum, gamma, beta, epsilon, fmt)
+        stats.append(moments)
 
-        def grad(dy4, *unused_stat_grads):
+        def grad(dy4):
             with tf.device(device):
-                return tower_grad(dy4)
-
-        def tower_grad(dy4):
-            state, dgamma, dbeta = kernels.backward_local(dy4, x4, gamma, mean, var, reserve,
-                                                          epsilon, fmt)
-            packed_grads = tf.concat([dgamma, dbeta], 0, name='packed_grads')
-            total = all_reduce(packed_grads, 'backward')
-            dx = kernels.backward_finish(state, dy4, x4, gamma, mean, var, total[:channels],
-                                         total[channels:], count_all, epsilon, fmt)
+                grads, dgamma, dbeta, state = kernels.backward_local(dy4, x4, gamma, saved,
+                                                                     epsilon, fmt)
+                grads_sum = all_reduce(grads, 'backward')
+                dx = kernels.backward_finish(state, dy4, x4, gamma, saved, grads_sum, epsilon,
+                                             fmt)
             return dx, dgamma, dbeta
 
-        return (y4, mean, var, count_all), grad
+        return y4, grad
 
-    y4, mean, var, count = sync_bn(x4, gamma, beta)
-    return y4, Moments(tf.stop_gradient(mean), tf.stop_gradient(var), tf.stop_gradient(count))
+    y4 = sync_bn(x4, gamma, beta)
+    return y4, stats[0]
 
 
 def all_reduce_with_gradient(tensor, backend, key):

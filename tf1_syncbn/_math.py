@@ -14,6 +14,8 @@ for a single all-reduce (sum), which combines them without the catastrophic
 cancellation of ``E[x^2] - E[x]^2`` in float32.
 """
 
+import collections
+
 import tensorflow as tf
 from tensorflow.python.ops import gen_nn_ops
 
@@ -327,31 +329,73 @@ def weighted_local_moments(xs4, fmt, weights=None):
 
 
 # --------------------------------------------------------------------------
-# Kernel sets: two implementations of the same three steps of a synchronized
-# training step, chosen per tower device by :func:`kernels_for`.
+# Kernel sets: two implementations of the four steps of a synchronized training
+# step, chosen per tower device by :func:`kernels_for`. The engine runs
+#
+#   packed = moments(x4)                   -> all-reduce (sum) -> packed_sum
+#   y4, moments, saved = normalize(x4, packed_sum, gamma, beta)
+#   grads, dgamma, dbeta, state = backward_local(dy4, x4, gamma, saved)
+#                                          -> all-reduce (sum) -> grads_sum
+#   dx = backward_finish(state, dy4, x4, gamma, saved, grads_sum)
+#
+# ``packed`` is :func:`pack_moments`' float64 vector; ``grads`` is the float32
+# vector ``[sum(dy * xhat), sum(dy)]`` of length ``2C``.
+
+Moments = collections.namedtuple('Moments', ['mean', 'variance', 'count'])
+Moments.__doc__ = """Global batch statistics (float32, no gradient).
+
+Attributes:
+  mean: ``[C]`` mean over the global batch.
+  variance: ``[C]`` biased variance (``M2 / n``), the one used to normalize.
+  count: scalar, number of elements per channel in the global batch.
+"""
+
 
 class StockKernels(object):
-    """TensorFlow's own kernels (any device): fused kernels plus an add."""
+    """TensorFlow's own kernels (any device): fused kernels and small ops around them."""
 
     name = 'stock'
 
     def moments(self, x4, fmt):
-        """``(count, shift, mean, m2)`` of the local batch (see robust_local_moments)."""
-        return robust_local_moments(x4, fmt)
+        """The packed float64 moments of the local batch (see robust_local_moments)."""
+        return pack_moments(*robust_local_moments(x4, fmt))
 
-    def backward_local(self, dy4, x4, gamma, mean, var, reserve, epsilon, fmt):
-        """``(state, dgamma, dbeta)``: the local sums, and what backward_finish needs."""
-        return backward_local(dy4, x4, gamma, mean, var, reserve, epsilon, fmt)
+    def normalize(self, x4, packed_sum, gamma, beta, epsilon, fmt):
+        """``(y4, moments, saved)``: the output, the global :class:`Moments`, and
+        what the backward steps need."""
+        channels = x4.shape[channel_axis(fmt)]
+        n64, mean64, var64 = unpack_moments(packed_sum, channels)
+        mean = tf.cast(mean64, STAT_DTYPE)
+        var = tf.cast(var64, STAT_DTYPE)
+        count = tf.cast(n64, STAT_DTYPE)
+        y4, reserve = normalize(x4, gamma, beta, mean, var, epsilon, fmt)
+        moments = Moments(tf.stop_gradient(mean), tf.stop_gradient(var),
+                          tf.stop_gradient(count))
+        return y4, moments, (mean, var, count, reserve)
 
-    def backward_finish(self, state, dy4, x4, gamma, mean, var, dgamma, dbeta, count,
-                        epsilon, fmt):
+    def backward_local(self, dy4, x4, gamma, saved, epsilon, fmt):
+        """``(grads, dgamma, dbeta, state)``: the local sums, packed and apart, and
+        what backward_finish needs."""
+        mean, var, _, reserve = saved
+        dx_partial, dgamma, dbeta = backward_local(dy4, x4, gamma, mean, var, reserve,
+                                                   epsilon, fmt)
+        return tf.concat([dgamma, dbeta], 0, name='packed_grads'), dgamma, dbeta, dx_partial
+
+    def backward_finish(self, state, dy4, x4, gamma, saved, grads_sum, epsilon, fmt):
         """The input gradient from the global sums."""
         del dy4
-        return backward_finish(x4, state, gamma, mean, var, dgamma, dbeta, count, epsilon, fmt)
+        mean, var, count, _ = saved
+        channels = x4.shape[channel_axis(fmt)]
+        return backward_finish(x4, state, gamma, mean, var, grads_sum[:channels],
+                               grads_sum[channels:], count, epsilon, fmt)
 
 
 class CustomCpuKernels(object):
-    """The compiled CPU kernels of :mod:`tf1_syncbn.kernels`: one pass per step."""
+    """The compiled CPU kernels of :mod:`tf1_syncbn.kernels`: one op, one pass per step.
+
+    Their statistics outputs have no gradient (registered as such), like the
+    stock set's ``stop_gradient``.
+    """
 
     name = 'custom'
 
@@ -361,21 +405,24 @@ class CustomCpuKernels(object):
     def moments(self, x4, fmt):
         return self._ops.sync_bn_moments(x4, data_format=fmt, name='local_moments')
 
-    def backward_local(self, dy4, x4, gamma, mean, var, reserve, epsilon, fmt):
-        del gamma, reserve
-        sum_dy, sum_dy_xmu = self._ops.sync_bn_grad_sums(dy4, x4, mean, data_format=fmt,
-                                                         name='backward_local')
-        return None, sum_dy_xmu * tf.math.rsqrt(var + epsilon), sum_dy
+    def normalize(self, x4, packed_sum, gamma, beta, epsilon, fmt):
+        y4, mean, var, count, inv_std = self._ops.sync_bn_normalize(
+            x4, packed_sum, gamma, beta, epsilon=epsilon, data_format=fmt, name='normalize')
+        return y4, Moments(mean, var, count), (mean, inv_std, count)
 
-    def backward_finish(self, state, dy4, x4, gamma, mean, var, dgamma, dbeta, count,
-                        epsilon, fmt):
-        # dx = gamma*r*(dy - dbeta/n - xhat*dgamma/n), xhat = (x - mean)*r
-        del state
-        r = tf.math.rsqrt(var + epsilon)
-        inv_n = 1.0 / tf.maximum(count, 1.0)
-        return self._ops.sync_bn_grad_input(
-            dy4, x4, gamma * r, mean, -gamma * r * r * dgamma * inv_n,
-            -gamma * r * dbeta * inv_n, data_format=fmt, name='dx')
+    def backward_local(self, dy4, x4, gamma, saved, epsilon, fmt):
+        del gamma, epsilon
+        mean, inv_std, _ = saved
+        grads, dgamma, dbeta = self._ops.sync_bn_grad_sums(dy4, x4, mean, inv_std,
+                                                           data_format=fmt,
+                                                           name='backward_local')
+        return grads, dgamma, dbeta, None
+
+    def backward_finish(self, state, dy4, x4, gamma, saved, grads_sum, epsilon, fmt):
+        del state, epsilon
+        mean, inv_std, count = saved
+        return self._ops.sync_bn_grad_input(dy4, x4, mean, inv_std, gamma, grads_sum, count,
+                                            data_format=fmt, name='dx')
 
 
 def kernels_for(device):

@@ -1,9 +1,18 @@
-// CPU kernels for synchronized batch norm: the two steps that TensorFlow's
-// stock CPU kernels can only do in several passes.
+// CPU kernels for synchronized batch norm: the whole training step of one
+// layer in four kernels around two all-reduces, one pass over the tensor each.
 //
-//   SyncBnMoments(x)                   -> count, shift, mean, m2     (1 read)
-//   SyncBnGradSums(dy, x, mean)        -> sum(dy), sum(dy * (x-mean)) (1 read)
-//   SyncBnGradInput(dy, x, a, mean, b, c) -> dy*a + (x-mean)*b + c    (1 pass)
+//   SyncBnMoments(x)                         -> packed           (1 read)
+//       packed = [n, n*mu, M2 + n*mu^2] (float64, 1 + 2C) of the local batch,
+//       summed over towers by one all-reduce;
+//   SyncBnNormalize(x, packed_sum, gamma, beta)
+//                                            -> y, mean, variance, count, inv_std
+//       the global statistics from the reduced vector, then
+//       y = (x - mean) * gamma * inv_std + beta                  (1 pass);
+//   SyncBnGradSums(dy, x, mean, inv_std)     -> packed_grads, dgamma, dbeta
+//       dgamma = sum(dy * xhat), dbeta = sum(dy) of the local batch, also packed
+//       as [dgamma, dbeta] (float32, 2C) for the backward all-reduce (1 read);
+//   SyncBnGradInput(dy, x, mean, inv_std, gamma, grads_sum, count) -> dx
+//       dx = gamma * inv_std * (dy - dbeta/n - xhat * dgamma/n)  (1 pass).
 //
 // Inputs are canonical views [N, S, 1, C] (NHWC) or [N, C, S, 1] (NCHW),
 // seen here as [outer, C, inner]. Statistics accumulate in float for blocks
@@ -22,6 +31,7 @@
 namespace tensorflow {
 namespace {
 
+using shape_inference::DimensionHandle;
 using shape_inference::InferenceContext;
 using shape_inference::ShapeHandle;
 
@@ -65,6 +75,7 @@ void ShardedSum(OpKernelContext* ctx, const Layout& l, int width, Fn fn,
 }
 
 constexpr int64_t kBlock = 256;  // rows accumulated in float before flushing to double
+constexpr int kLanes = 8;        // independent float sums along a contiguous run
 
 // Sums two per-element values, pair(k, c, &u, &v) for element k of channel c,
 // over every element of each channel. Returns [sum_u (C), sum_v (C)] in double.
@@ -85,18 +96,29 @@ std::vector<double> TwoSumsPerChannel(OpKernelContext* ctx, const Layout& l, Pai
           a[c] += u;
           b[c] += v;
         }
-      } else {
+      } else {  // channels first: kLanes partial sums vectorize along the run
         for (int64_t c = 0; c < C; ++c) {
           const int64_t off = base + c * l.inner;
-          float sa = 0.f, sb = 0.f;
-          for (int64_t i = 0; i < l.inner; ++i) {
+          float sa[kLanes] = {0.f}, sb[kLanes] = {0.f};
+          int64_t i = 0;
+          for (; i + kLanes <= l.inner; i += kLanes) {
+            for (int j = 0; j < kLanes; ++j) {
+              float u, v;
+              pair(off + i + j, c, &u, &v);
+              sa[j] += u;
+              sb[j] += v;
+            }
+          }
+          for (; i < l.inner; ++i) {
             float u, v;
             pair(off + i, c, &u, &v);
-            sa += u;
-            sb += v;
+            sa[0] += u;
+            sb[0] += v;
           }
-          a[c] += sa;
-          b[c] += sb;
+          for (int j = 0; j < kLanes; ++j) {
+            a[c] += sa[j];
+            b[c] += sb[j];
+          }
         }
       }
       if (++rows == kBlock || o + 1 == o1) {
@@ -112,6 +134,35 @@ std::vector<double> TwoSumsPerChannel(OpKernelContext* ctx, const Layout& l, Pai
   return total;
 }
 
+// Runs y[k] = f(k, c) for every element k of channel c, sharded over rows.
+template <typename T, typename Fn>
+void ForEachElement(OpKernelContext* ctx, const Layout& l, T* out, Fn f) {
+  auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
+  const int64_t C = l.channels, row = C * l.inner;
+  Shard(workers->num_threads, workers->workers, l.outer, row * 3,
+        [&](int64_t o0, int64_t o1) {
+          for (int64_t o = o0; o < o1; ++o) {
+            const int64_t base = o * row;
+            if (l.inner == 1) {  // channels last: vectorize over channels
+              for (int64_t c = 0; c < C; ++c) out[base + c] = static_cast<T>(f(base + c, c));
+              continue;
+            }
+            for (int64_t c = 0; c < C; ++c) {
+              const int64_t off = base + c * l.inner;
+              for (int64_t i = 0; i < l.inner; ++i)
+                out[off + i] = static_cast<T>(f(off + i, c));
+            }
+          }
+        });
+}
+
+Status CheckVector(const Tensor& t, int64_t size, const char* what) {
+  if (t.dims() != 1 || t.dim_size(0) != size)
+    return errors::InvalidArgument(what, " must have shape [", size, "], got ",
+                                   t.shape().DebugString());
+  return OkStatus();
+}
+
 template <typename T>
 class SyncBnMomentsOp : public OpKernel {
  public:
@@ -124,16 +175,14 @@ class SyncBnMomentsOp : public OpKernel {
     Layout l;
     OP_REQUIRES_OK(ctx, GetLayout(x, fmt_, &l));
     const int64_t C = l.channels, n = l.outer * l.inner;
-    Tensor *count, *shift, *mean, *m2;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &count));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({C}), &shift));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({C}), &mean));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({C}), &m2));
-    count->scalar<float>()() = static_cast<float>(n);
+    Tensor* packed;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({1 + 2 * C}), &packed));
+    auto out = packed->flat<double>();
+    out.setZero();
+    if (n == 0) return;
     const T* in = x.flat<T>().data();
-    std::vector<float> s(C, 0.f);
-    if (n > 0)
-      for (int64_t c = 0; c < C; ++c) s[c] = static_cast<float>(in[c * l.inner]);
+    std::vector<float> s(C);
+    for (int64_t c = 0; c < C; ++c) s[c] = static_cast<float>(in[c * l.inner]);
     const float* sp = s.data();
     const std::vector<double> total =
         TwoSumsPerChannel(ctx, l, [in, sp](int64_t k, int64_t c, float* u, float* v) {
@@ -141,19 +190,74 @@ class SyncBnMomentsOp : public OpKernel {
           *u = d;
           *v = d * d;
         });
-    auto out_shift = shift->flat<float>();
-    auto out_mean = mean->flat<float>();
-    auto out_m2 = m2->flat<float>();
+    const double dn = static_cast<double>(n);
+    out(0) = dn;
     for (int64_t c = 0; c < C; ++c) {
-      const double mu = n > 0 ? total[c] / n : 0.0;
-      out_shift(c) = s[c];
-      out_mean(c) = static_cast<float>(mu);
-      out_m2(c) = static_cast<float>(std::max(0.0, total[C + c] - total[c] * mu));
+      const double mean_shifted = total[c] / dn;
+      const double m2 = std::max(0.0, total[C + c] - total[c] * mean_shifted);
+      const double mu = static_cast<double>(s[c]) + mean_shifted;
+      out(1 + c) = dn * mu;
+      out(1 + C + c) = m2 + dn * mu * mu;
     }
   }
 
  private:
   std::string fmt_;
+};
+
+template <typename T>
+class SyncBnNormalizeOp : public OpKernel {
+ public:
+  explicit SyncBnNormalizeOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("data_format", &fmt_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("epsilon", &epsilon_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    Layout l;
+    OP_REQUIRES_OK(ctx, GetLayout(x, fmt_, &l));
+    const int64_t C = l.channels;
+    const Tensor& packed = ctx->input(1);
+    const Tensor& gamma = ctx->input(2);
+    const Tensor& beta = ctx->input(3);
+    OP_REQUIRES_OK(ctx, CheckVector(packed, 1 + 2 * C, "packed moments"));
+    OP_REQUIRES_OK(ctx, CheckVector(gamma, C, "gamma"));
+    OP_REQUIRES_OK(ctx, CheckVector(beta, C, "beta"));
+    Tensor *y, *mean, *variance, *count, *inv_std;
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, x.shape(), &y));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({C}), &mean));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({C}), &variance));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({}), &count));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(4, TensorShape({C}), &inv_std));
+    // The global statistics: exactly what unpacking in float64 and casting gives.
+    const double* p = packed.flat<double>().data();
+    const double n = p[0], safe_n = std::max(n, 1.0);
+    float* m = mean->flat<float>().data();
+    float* var = variance->flat<float>().data();
+    float* r = inv_std->flat<float>().data();
+    std::vector<float> scale(C), offset(C);
+    const float* g = gamma.flat<float>().data();
+    const float* b = beta.flat<float>().data();
+    for (int64_t c = 0; c < C; ++c) {
+      const double mu = p[1 + c] / safe_n;
+      m[c] = static_cast<float>(mu);
+      var[c] = static_cast<float>(std::max(p[1 + C + c] / safe_n - mu * mu, 0.0));
+      r[c] = static_cast<float>(1.0 / std::sqrt(static_cast<double>(var[c]) + epsilon_));
+      scale[c] = g[c] * r[c];
+      offset[c] = b[c];
+    }
+    count->scalar<float>()() = static_cast<float>(n);
+    const T* in = x.flat<T>().data();
+    const float *mp = m, *sp = scale.data(), *op = offset.data();
+    ForEachElement(ctx, l, y->flat<T>().data(), [in, mp, sp, op](int64_t k, int64_t c) {
+      return (static_cast<float>(in[k]) - mp[c]) * sp[c] + op[c];
+    });
+  }
+
+ private:
+  std::string fmt_;
+  float epsilon_;
 };
 
 template <typename T>
@@ -166,30 +270,33 @@ class SyncBnGradSumsOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     const Tensor& dy = ctx->input(0);
     const Tensor& x = ctx->input(1);
-    const Tensor& mean = ctx->input(2);
     OP_REQUIRES(ctx, dy.shape() == x.shape(),
                 errors::InvalidArgument("dy and x must have the same shape"));
     Layout l;
     OP_REQUIRES_OK(ctx, GetLayout(x, fmt_, &l));
     const int64_t C = l.channels;
-    OP_REQUIRES(ctx, mean.NumElements() == C, errors::InvalidArgument("mean must be [C]"));
-    Tensor *sum_dy, *sum_dy_xmu;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({C}), &sum_dy));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({C}), &sum_dy_xmu));
+    OP_REQUIRES_OK(ctx, CheckVector(ctx->input(2), C, "mean"));
+    OP_REQUIRES_OK(ctx, CheckVector(ctx->input(3), C, "inv_std"));
+    Tensor *packed, *dgamma, *dbeta;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({2 * C}), &packed));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({C}), &dgamma));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({C}), &dbeta));
     const T* g = dy.flat<T>().data();
     const T* in = x.flat<T>().data();
-    const float* mu = mean.flat<float>().data();
+    const float* mu = ctx->input(2).flat<float>().data();
+    const float* r = ctx->input(3).flat<float>().data();
     const std::vector<double> total =
         TwoSumsPerChannel(ctx, l, [g, in, mu](int64_t k, int64_t c, float* u, float* v) {
           const float d = static_cast<float>(g[k]);
           *u = d;
           *v = d * (static_cast<float>(in[k]) - mu[c]);
         });
-    auto out_a = sum_dy->flat<float>();
-    auto out_b = sum_dy_xmu->flat<float>();
+    float* out = packed->flat<float>().data();
+    float* out_dgamma = dgamma->flat<float>().data();
+    float* out_dbeta = dbeta->flat<float>().data();
     for (int64_t c = 0; c < C; ++c) {
-      out_a(c) = static_cast<float>(total[c]);
-      out_b(c) = static_cast<float>(total[C + c]);
+      out[c] = out_dgamma[c] = static_cast<float>(total[C + c] * r[c]);
+      out[C + c] = out_dbeta[c] = static_cast<float>(total[c]);
     }
   }
 
@@ -212,57 +319,51 @@ class SyncBnGradInputOp : public OpKernel {
     Layout l;
     OP_REQUIRES_OK(ctx, GetLayout(x, fmt_, &l));
     const int64_t C = l.channels;
-    const float* coef[4];
-    for (int k = 0; k < 4; ++k) {
-      const Tensor& t = ctx->input(2 + k);
-      OP_REQUIRES(ctx, t.NumElements() == C,
-                  errors::InvalidArgument("per-channel inputs must be [C]"));
-      coef[k] = t.flat<float>().data();
+    const Tensor& mean = ctx->input(2);
+    const Tensor& inv_std = ctx->input(3);
+    const Tensor& gamma = ctx->input(4);
+    const Tensor& sums = ctx->input(5);
+    const Tensor& count = ctx->input(6);
+    OP_REQUIRES_OK(ctx, CheckVector(mean, C, "mean"));
+    OP_REQUIRES_OK(ctx, CheckVector(inv_std, C, "inv_std"));
+    OP_REQUIRES_OK(ctx, CheckVector(gamma, C, "gamma"));
+    OP_REQUIRES_OK(ctx, CheckVector(sums, 2 * C, "reduced gradient sums"));
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(count.shape()),
+                errors::InvalidArgument("count must be a scalar"));
+    // dx = gamma*r*(dy - dbeta/n - xhat*dgamma/n), xhat = (x - mean)*r
+    //    = dy*a + (x - mean)*b + c0
+    const float* mu = mean.flat<float>().data();
+    const float* r = inv_std.flat<float>().data();
+    const float* gm = gamma.flat<float>().data();
+    const float* s = sums.flat<float>().data();
+    const float inv_n = 1.0f / std::max(count.scalar<float>()(), 1.0f);
+    std::vector<float> a(C), b(C), c0(C);
+    for (int64_t c = 0; c < C; ++c) {
+      a[c] = gm[c] * r[c];
+      b[c] = -a[c] * r[c] * s[c] * inv_n;
+      c0[c] = -a[c] * s[C + c] * inv_n;
     }
     Tensor* dx;
     OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, x.shape(), &dx));
     const T* g = dy.flat<T>().data();
     const T* in = x.flat<T>().data();
-    T* out = dx->flat<T>().data();
-    const float *a = coef[0], *mu = coef[1], *b = coef[2], *c0 = coef[3];
-    auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
-    const int64_t row = C * l.inner;
-    Shard(workers->num_threads, workers->workers, l.outer, row * 3,
-          [&](int64_t o0, int64_t o1) {
-            for (int64_t o = o0; o < o1; ++o) {
-              const int64_t base = o * row;
-              if (l.inner == 1) {  // channels last: vectorize over channels
-                for (int64_t c = 0; c < C; ++c) {
-                  const float v = static_cast<float>(g[base + c]) * a[c] +
-                                  (static_cast<float>(in[base + c]) - mu[c]) * b[c] + c0[c];
-                  out[base + c] = static_cast<T>(v);
-                }
-                continue;
-              }
-              for (int64_t c = 0; c < C; ++c) {
-                const int64_t off = base + c * l.inner;
-                const float ac = a[c], mc = mu[c], bc = b[c], cc = c0[c];
-                for (int64_t i = 0; i < l.inner; ++i) {
-                  const float v = static_cast<float>(g[off + i]) * ac +
-                                  (static_cast<float>(in[off + i]) - mc) * bc + cc;
-                  out[off + i] = static_cast<T>(v);
-                }
-              }
-            }
-          });
+    const float *ap = a.data(), *bp = b.data(), *cp = c0.data();
+    ForEachElement(ctx, l, dx->flat<T>().data(), [g, in, mu, ap, bp, cp](int64_t k, int64_t c) {
+      return static_cast<float>(g[k]) * ap[c] + (static_cast<float>(in[k]) - mu[c]) * bp[c] +
+             cp[c];
+    });
   }
 
  private:
   std::string fmt_;
 };
 
-Status VectorsOfChannels(InferenceContext* c, int outputs) {
+Status VectorOfChannels(InferenceContext* c, int input, DimensionHandle* channels) {
   ShapeHandle x;
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 4, &x));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(input), 4, &x));
   std::string fmt;
   TF_RETURN_IF_ERROR(c->GetAttr("data_format", &fmt));
-  auto channels = c->Dim(x, fmt == "NHWC" ? 3 : 1);
-  for (int i = 0; i < outputs; ++i) c->set_output(i, c->Vector(channels));
+  *channels = c->Dim(x, fmt == "NHWC" ? 3 : 1);
   return OkStatus();
 }
 
@@ -270,15 +371,39 @@ Status VectorsOfChannels(InferenceContext* c, int outputs) {
 
 REGISTER_OP("SyncBnMoments")
     .Input("x: T")
-    .Output("count: float")
-    .Output("shift: float")
-    .Output("mean: float")
-    .Output("m2: float")
+    .Output("packed: double")
     .Attr("T: {half, bfloat16, float}")
     .Attr("data_format: {'NHWC', 'NCHW'} = 'NHWC'")
     .SetShapeFn([](InferenceContext* c) {
-      TF_RETURN_IF_ERROR(VectorsOfChannels(c, 4));
-      c->set_output(0, c->Scalar());
+      DimensionHandle channels, twice, packed;
+      TF_RETURN_IF_ERROR(VectorOfChannels(c, 0, &channels));
+      TF_RETURN_IF_ERROR(c->Multiply(channels, 2, &twice));
+      TF_RETURN_IF_ERROR(c->Add(twice, 1, &packed));
+      c->set_output(0, c->Vector(packed));
+      return OkStatus();
+    });
+
+REGISTER_OP("SyncBnNormalize")
+    .Input("x: T")
+    .Input("packed_sum: double")
+    .Input("gamma: float")
+    .Input("beta: float")
+    .Output("y: T")
+    .Output("mean: float")
+    .Output("variance: float")
+    .Output("count: float")
+    .Output("inv_std: float")
+    .Attr("T: {half, bfloat16, float}")
+    .Attr("epsilon: float")
+    .Attr("data_format: {'NHWC', 'NCHW'} = 'NHWC'")
+    .SetShapeFn([](InferenceContext* c) {
+      DimensionHandle channels;
+      TF_RETURN_IF_ERROR(VectorOfChannels(c, 0, &channels));
+      c->set_output(0, c->input(0));
+      c->set_output(1, c->Vector(channels));
+      c->set_output(2, c->Vector(channels));
+      c->set_output(3, c->Scalar());
+      c->set_output(4, c->Vector(channels));
       return OkStatus();
     });
 
@@ -286,24 +411,35 @@ REGISTER_OP("SyncBnGradSums")
     .Input("dy: T")
     .Input("x: T")
     .Input("mean: float")
-    .Output("sum_dy: float")
-    .Output("sum_dy_xmu: float")
+    .Input("inv_std: float")
+    .Output("packed: float")
+    .Output("dgamma: float")
+    .Output("dbeta: float")
     .Attr("T: {half, bfloat16, float}")
     .Attr("data_format: {'NHWC', 'NCHW'} = 'NHWC'")
-    .SetShapeFn([](InferenceContext* c) { return VectorsOfChannels(c, 2); });
+    .SetShapeFn([](InferenceContext* c) {
+      DimensionHandle channels, twice;
+      TF_RETURN_IF_ERROR(VectorOfChannels(c, 1, &channels));
+      TF_RETURN_IF_ERROR(c->Multiply(channels, 2, &twice));
+      c->set_output(0, c->Vector(twice));
+      c->set_output(1, c->Vector(channels));
+      c->set_output(2, c->Vector(channels));
+      return OkStatus();
+    });
 
 REGISTER_OP("SyncBnGradInput")
     .Input("dy: T")
     .Input("x: T")
-    .Input("scale_dy: float")
     .Input("mean: float")
-    .Input("scale_x: float")
-    .Input("offset: float")
+    .Input("inv_std: float")
+    .Input("gamma: float")
+    .Input("sums: float")
+    .Input("count: float")
     .Output("dx: T")
     .Attr("T: {half, bfloat16, float}")
     .Attr("data_format: {'NHWC', 'NCHW'} = 'NHWC'")
     .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->input(0));
+      c->set_output(0, c->input(1));
       return OkStatus();
     });
 
@@ -311,6 +447,9 @@ REGISTER_OP("SyncBnGradInput")
   REGISTER_KERNEL_BUILDER(                                                            \
       Name("SyncBnMoments").Device(DEVICE_CPU).TypeConstraint<T>("T"),                \
       SyncBnMomentsOp<T>);                                                            \
+  REGISTER_KERNEL_BUILDER(                                                            \
+      Name("SyncBnNormalize").Device(DEVICE_CPU).TypeConstraint<T>("T"),              \
+      SyncBnNormalizeOp<T>);                                                          \
   REGISTER_KERNEL_BUILDER(                                                            \
       Name("SyncBnGradSums").Device(DEVICE_CPU).TypeConstraint<T>("T"),               \
       SyncBnGradSumsOp<T>);                                                           \
