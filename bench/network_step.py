@@ -27,13 +27,12 @@ Each step fetches a scalar that depends on every averaged gradient, and runs
 the SGD update (with the moving-average updates), so no gradient work can be
 skipped.
 
-The collective backend runs without a timeout here unless ``--timeout`` is
-given: TensorFlow starts one thread per collective op that has a timeout, and
-that thread sleeps for the whole timeout, so over a benchmark's steps they
-pile up to (collectives per second) x timeout threads (tens of thousands
-here, where the kernel allows 32768 in all), and their creation is most of
-the cost of synchronization. ``--timeout 600`` measures the library's
-default (``CollectiveBackend()``); keep ``--steps`` small with it.
+The synchronized variants use the library's default backend
+(``CollectiveBackend()``: a 600 s collective timeout, kept by the step
+watchdog, one thread per process). ``--timeout 0`` measures them with no
+timeout at all. The thread count printed after timing shows that the timeout
+costs no threads per collective (TensorFlow's own per-op timeout would start
+two per collective execution).
 
 Usage: python bench/network_step.py [--towers 4] [--batch 4] [--size 64]
            [--steps 20] [--warmup 3] [--stock] [--no-memory] [--timeout S]
@@ -70,7 +69,7 @@ def backend(timeout):
     return CollectiveBackend(timeout=timeout)
 
 
-def build(variant, towers, batch, size, timeout=0):
+def build(variant, towers, batch, size, timeout=DEFAULT_TIMEOUT):
     """One graph and session of ``variant``; returns ``(session, fetch, graph)``."""
     graph = tf.Graph()
     with graph.as_default(), kernels.use_custom_kernels(variant != 'sync_stock'):
@@ -172,10 +171,9 @@ def main():
     parser.add_argument('--no-memory', action='store_true', help='skip the memory runs')
     parser.add_argument('--memory-steps', type=int, default=3)
     parser.add_argument('--memory-repeats', type=int, default=2)
-    parser.add_argument('--timeout', type=float, default=0.0,
-                        help="the collective backend's timeout in seconds (default 0: none; "
-                        "the library's default is %g, see the module docstring)"
-                        % DEFAULT_TIMEOUT)
+    parser.add_argument('--timeout', type=float, default=DEFAULT_TIMEOUT,
+                        help="the collective backend's timeout in seconds (default: the "
+                        "library's, %g; 0: none)" % DEFAULT_TIMEOUT)
     parser.add_argument('--memory-of', choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     tf1.disable_eager_execution()
@@ -197,8 +195,8 @@ def main():
               'layer per tower' % (name, med[name], med[name] / med['unsync'], collectives,
                                    layers, per_layer))
     print('  ratio sync / unsync: %.3fx  (target <= 1.08x)' % (med['sync'] / med['unsync']))
-    # TensorFlow starts one thread per collective op with a timeout, which
-    # sleeps for the whole timeout: they pile up at (collectives/s) x timeout.
+    # TensorFlow's per-op collective timeout would start two sleeping threads per
+    # collective execution; the step watchdog keeps one thread for the process.
     print('  threads in this process after timing: %d' % thread_count())
     for _, (sess, _, _) in built.items():
         sess.close()

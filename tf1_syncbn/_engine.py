@@ -60,6 +60,7 @@ class SyncRegistry(object):
         self.updates = {}          # (towers, call name) -> the main tower's update ops
         self.waiting = collections.defaultdict(list)  # same key -> triggers built before
         self.guards = {}           # (graph, host device) -> run-time check op
+        self.watchdogs = {}        # (graph, host device, timeout) -> step watchdog op
         self._version = 0          # bumped on every registration
         self._checked_version = -1
 
@@ -158,8 +159,13 @@ class SyncRegistry(object):
                 'build the same synchronized layers the same number of times.'
                 % '; '.join(problems))
 
-    def guard(self, device):
-        """An op that fails the first run if some tower of a group was never built.
+    def guard(self, device, timeout=0.0):
+        """The ops every forward all-reduce of a step waits for on ``device``'s host.
+
+        The run-time check that every tower of each group was built, and the
+        step watchdog for ``timeout`` seconds (see :meth:`watchdog`).
+
+        The check: an op that fails the first run if some tower of a group was never built.
 
         The graph builder cannot know when a harness has built its last tower
         (``TowerContext(total=4)`` with only two towers built, or ``num_dev=4``
@@ -171,9 +177,10 @@ class SyncRegistry(object):
 
         Args:
           device: the tower's canonical device ('' when unplaced).
+          timeout: the backend's :meth:`~tf1_syncbn.SyncBackend.step_timeout`.
 
         Returns:
-          A list with one op, for ``control_inputs``.
+          A list of ops, for ``control_inputs``.
         """
         graph = tf.compat.v1.get_default_graph()   # a tf.cond branch has its own
         slot = (graph, _host_cpu(device))
@@ -183,6 +190,39 @@ class SyncRegistry(object):
                 op = tf.numpy_function(self._check_at_run_time, [], [],
                                        name='tf1_syncbn_check_towers')
             self.guards[slot] = op
+        return [op] + self.watchdog(device, timeout)
+
+    def watchdog(self, device, timeout):
+        """Arms the step watchdog of ``device``'s host for ``timeout`` seconds.
+
+        One ``SyncBnStepWatchdog`` op per graph, host and timeout, run at the
+        start of every step as a control input of the step's first collectives:
+        past ``timeout`` seconds it aborts the step's collectives, which then
+        fail with ``DeadlineExceededError`` and a message saying why, using one
+        thread for the whole process (TensorFlow's per-op timeouts start two
+        per collective). After that the session's collectives stay aborted:
+        open a new session.
+
+        Args:
+          device: a device on the host to watch ('' when unplaced).
+          timeout: seconds; 0 (or no compiled library) arms nothing.
+
+        Returns:
+          A list with the op, or an empty list.
+        """
+        from tf1_syncbn import kernels  # noqa: PLC0415 - compiled lazily, on first use
+        library = kernels.library() if timeout > 0 else None
+        if library is None:
+            return []
+        graph = tf.compat.v1.get_default_graph()
+        slot = (graph, _host_cpu(device), float(timeout))
+        op = self.watchdogs.get(slot)
+        if op is None:
+            with tf.device(slot[1]), graph.name_scope(None), tf.control_dependencies(None):
+                op = library.sync_bn_step_watchdog(
+                    timeout_seconds=float(timeout), message=_TIMEOUT_MESSAGE % timeout,
+                    name='tf1_syncbn_step_watchdog')
+            self.watchdogs[slot] = op
         return [op]
 
     def _check_at_run_time(self):
@@ -219,6 +259,15 @@ class SyncRegistry(object):
         trigger = tf.no_op(name='update_moving_averages')
         self.waiting[key].append(trigger)
         return trigger
+
+
+_TIMEOUT_MESSAGE = (
+    'tf1_syncbn: this step waited more than %g s in its collective all-reduces (the collective '
+    'timeout: CollectiveBackend(timeout=...), TF1_SYNCBN_TIMEOUT, or the cluster\'s '
+    'collective_timeout). Some tower or worker did not reach a synchronized layer in this step: '
+    'a tf.cond that skipped one in some tower, update ops run without the forward pass of every '
+    'tower, or a lost or frozen worker. The collectives of this session are aborted: open a new '
+    'session.')
 
 
 def _as_op(value):

@@ -438,7 +438,7 @@ def resolve_sync(config, info):
     registry = _engine.get_registry()
     registry.register(key, info.index, info.towers, backend,
                       track=isinstance(info.ctx, TowerContext))
-    return backend, key, registry.guard(key.device)
+    return backend, key, registry.guard(key.device, backend.step_timeout())
 
 
 def _unknown_group_error(config, spec, scope):

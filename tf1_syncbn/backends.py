@@ -25,7 +25,7 @@ import re
 import tensorflow as tf
 
 __all__ = ['SyncBackend', 'SyncKey', 'CollectiveBackend', 'NcclBackend', 'HorovodBackend',
-           'stable_hash', 'DEFAULT_TIMEOUT']
+           'stable_hash', 'DEFAULT_TIMEOUT', 'op_timeout', 'step_watchdog_available']
 
 #: Seconds a collective all-reduce waits for the other members before it fails
 #: with ``DeadlineExceededError``: 600, or the environment variable
@@ -66,6 +66,27 @@ def gpus_present():
     return bool(tf.config.list_physical_devices('GPU'))
 
 
+def step_watchdog_available():
+    """Whether the compiled step watchdog can bound collective waits here.
+
+    It needs the compiled library (:mod:`tf1_syncbn.kernels`): one thread for
+    the whole process. Without it, collective ops carry TensorFlow's per-op
+    timeout, which starts two sleeping threads per collective execution for
+    the whole timeout.
+    """
+    from tf1_syncbn import kernels  # noqa: PLC0415 - compiled lazily, on first use
+    return kernels.library() is not None
+
+
+def op_timeout(timeout):
+    """The per-op ``timeout`` for TensorFlow's collective ops, given the step's timeout.
+
+    0 (none) when the step watchdog bounds the wait instead; ``timeout``
+    itself when the watchdog is unavailable.
+    """
+    return 0.0 if timeout > 0 and step_watchdog_available() else timeout
+
+
 def _is_local(device):
     """Whether ``device`` names this process (no job, or ``/job:localhost``)."""
     job = tf.DeviceSpec.from_string(device or '').job
@@ -103,6 +124,15 @@ class SyncBackend(object):
         """Raises ``ValueError`` at graph build when ``key`` cannot work here."""
         del key
 
+    def step_timeout(self):
+        """Seconds a step may wait in this backend's all-reduces (0: no bound).
+
+        The layers arm the step watchdog (:mod:`tf1_syncbn.kernels`) with it
+        before the step's first all-reduce; past it, the step fails with
+        ``DeadlineExceededError``. Only collective ops can be aborted so.
+        """
+        return 0.0
+
     def all_reduce(self, tensor, key, direction):
         """Returns the sum of ``tensor`` over all members."""
         raise NotImplementedError
@@ -119,11 +149,18 @@ class CollectiveBackend(SyncBackend):
     process running the same graph) agrees on them without communication.
 
     Args:
-      timeout: seconds to wait for the other members before failing with
-        ``tf.errors.DeadlineExceededError``; this turns every mismatch that the
-        graph builder cannot see (a tower that skips a layer, update ops run
-        without the forward pass of the other towers) into an error instead of a
-        hang. None uses :data:`DEFAULT_TIMEOUT`; 0 waits forever.
+      timeout: seconds a training step may wait in its all-reduces before it
+        fails with ``tf.errors.DeadlineExceededError``; this turns every
+        mismatch that the graph builder cannot see (a tower that skips a layer
+        at run time, update ops run without the forward pass of the other
+        towers, a lost worker) into an error instead of a hang. The clock
+        starts when the step starts on this host and is kept by one watchdog
+        thread for the whole process (:mod:`tf1_syncbn.kernels`); without the
+        compiled library, every collective op carries TensorFlow's own timeout
+        instead (two sleeping threads per collective execution while it runs,
+        which a network with hundreds of layers turns into thousands). None
+        uses :data:`DEFAULT_TIMEOUT` (600 s, or ``$TF1_SYNCBN_TIMEOUT``); 0
+        waits forever.
       communication_hint: passed to TensorFlow (``'auto'``, ``'ring'`` or
         ``'nccl'``).
       num_workers: the number of worker processes that each build the same
@@ -169,13 +206,16 @@ class CollectiveBackend(SyncBackend):
                 and not gpus_present()):
             raise _missing_gpu_error(key.layer, key.device, self.name)
 
+    def step_timeout(self):
+        return self.timeout if self.timeout > 0 and step_watchdog_available() else 0.0
+
     def all_reduce(self, tensor, key, direction):
         from tensorflow.python.ops import collective_ops
         with tf.device(key.device):
             return collective_ops.all_reduce(
                 tensor, key.group_size, self.group_key(key), self.instance_key(key, direction),
                 merge_op='Add', final_op='Id', communication_hint=self.communication_hint,
-                timeout=self.timeout)
+                timeout=op_timeout(self.timeout))
 
     def __repr__(self):
         return 'CollectiveBackend(timeout=%r, num_workers=%d)' % (self.timeout, self.num_workers)

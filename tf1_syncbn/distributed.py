@@ -59,7 +59,7 @@ import weakref
 
 import tensorflow as tf
 
-from tf1_syncbn.backends import CollectiveBackend, stable_hash
+from tf1_syncbn.backends import CollectiveBackend, op_timeout, stable_hash
 from tower.context import get_current_tower_context
 
 tf1 = tf.compat.v1
@@ -110,7 +110,7 @@ class Cluster(object):
       towers: in-graph towers per worker.
       tower_devices: this worker's tower devices, one per tower.
       device_type: ``'CPU'`` or ``'GPU'``.
-      collective_timeout: seconds each collective waits for the others.
+      collective_timeout: seconds a step may wait in its collectives.
       startup_timeout: seconds to wait for every peer at start-up.
     """
 
@@ -242,9 +242,12 @@ def setup_cluster(towers=1, hosts=None, task=None, device_type='CPU', collective
       task: this worker's index in ``hosts``.
       device_type: ``'CPU'`` (virtual CPU devices) or ``'GPU'`` (one GPU per
         tower).
-      collective_timeout: seconds every cross-worker collective of this
-        module, and :meth:`Cluster.backend`, waits for the others before
-        failing; None uses :data:`tf1_syncbn.backends.DEFAULT_TIMEOUT`.
+      collective_timeout: seconds a training step may wait in the
+        collectives of this module and of :meth:`Cluster.backend` before it
+        fails, kept by one watchdog thread per process (see
+        :class:`tf1_syncbn.CollectiveBackend`); the start-up broadcast uses it
+        as a per-op timeout. None uses
+        :data:`tf1_syncbn.backends.DEFAULT_TIMEOUT`.
       startup_timeout: seconds :class:`WorkerSession` waits for every peer at
         start-up.
       config: a ``ConfigProto`` to start from (copied, not modified).
@@ -464,12 +467,19 @@ def _buckets(items, bucket_bytes):
 def _all_reduce_packed(tensors, cluster, key):
     """Sum over workers of a list of same-dtype tensors, with one packed all-reduce."""
     from tensorflow.python.ops import collective_ops
-    flat = [tf.reshape(t, [-1]) for t in tensors]
-    packed = flat[0] if len(flat) == 1 else tf.concat(flat, 0)
+    with tf.control_dependencies(_step_watchdog(cluster)):
+        flat = [tf.reshape(t, [-1]) for t in tensors]
+        packed = flat[0] if len(flat) == 1 else tf.concat(flat, 0)
     summed = collective_ops.all_reduce(packed, cluster.num_workers, cluster.group_key, key,
                                        merge_op='Add', final_op='Id',
-                                       timeout=cluster.collective_timeout)
+                                       timeout=op_timeout(cluster.collective_timeout))
     return summed
+
+
+def _step_watchdog(cluster):
+    """The step watchdog of this worker (see ``SyncRegistry.watchdog``), as control inputs."""
+    from tf1_syncbn import _engine  # noqa: PLC0415
+    return _engine.get_registry().watchdog(cluster.reduce_device, cluster.collective_timeout)
 
 
 def _unpack(packed, shapes):
@@ -518,10 +528,13 @@ def _gather_slices(slices, cluster, name, index):
     """All-gathers an IndexedSlices over workers (padded when its length is dynamic)."""
     from tensorflow.python.ops import collective_ops
     graph = tf1.get_default_graph()
-    w, gk, timeout = cluster.num_workers, cluster.group_key, cluster.collective_timeout
+    w, gk, timeout = cluster.num_workers, cluster.group_key, op_timeout(cluster.collective_timeout)
+    guard = _step_watchdog(cluster)
 
     def gather(t, kind):
         key = _instance_key(graph, name, '%s/%d' % (kind, index))
+        with tf.control_dependencies(guard):
+            t = tf.identity(t)
         return collective_ops.all_gather(t, w, gk, key, timeout=timeout)
 
     values, indices = slices.values, slices.indices

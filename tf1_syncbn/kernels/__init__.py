@@ -22,6 +22,12 @@ Without a working C++ compiler (``g++``, or ``$CXX``), or with
 ``TF1_SYNCBN_KERNELS=0``, the layers use TensorFlow's stock kernels instead:
 same results, slower; a failed build says why in one warning. GPU towers
 always use the stock (cuDNN) kernels.
+
+The library also holds the *step watchdog* (``SyncBnStepWatchdog``), used on
+every device type: it bounds how long a step may wait in its collectives with
+one thread for the whole process, where TensorFlow's own per-op collective
+timeout starts two sleeping threads per collective execution. Without the
+library, the collective backend falls back to TensorFlow's per-op timeout.
 """
 
 import contextlib
@@ -38,12 +44,13 @@ import warnings
 
 import tensorflow as tf
 
-__all__ = ['load', 'build', 'enabled', 'use_custom_kernels', 'status', 'cache_path']
+__all__ = ['load', 'library', 'build', 'enabled', 'use_custom_kernels', 'status', 'cache_path']
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'sync_bn_ops.cc')
 _LOCK = threading.Lock()
 _STATE = {'module': None, 'tried': False, 'error': None}
-_ENABLED = [os.environ.get('TF1_SYNCBN_KERNELS', '1') != '0']
+_ALLOWED = os.environ.get('TF1_SYNCBN_KERNELS', '1') != '0'   # build and load the library
+_ENABLED = [_ALLOWED]                                           # the layers use its kernels
 _OPT_FLAGS = ['-O3', '-shared', '-fPIC']
 _OP_TYPES = ('SyncBnMoments', 'SyncBnNormalize', 'SyncBnGradSums', 'SyncBnGradInput')
 
@@ -155,12 +162,25 @@ def build(force=False):
 
 
 def load():
-    """The compiled op module, or None when the kernels are unavailable or disabled.
+    """The compiled op module for the layers' compute, or None when unavailable or disabled.
 
     The first call in a process compiles them if the cache does not have them
     yet. When that fails, it warns once and the layers use the stock kernels.
+    ``TF1_SYNCBN_KERNELS=0`` (or :func:`use_custom_kernels`) disables them.
     """
     if not enabled():
+        return None
+    return library()
+
+
+def library():
+    """The compiled op module whether or not the compute kernels are enabled, or None.
+
+    It also holds the step watchdog (``SyncBnStepWatchdog``), which the
+    collective backend uses wherever the library can be built. None with
+    ``TF1_SYNCBN_KERNELS=0`` or when building fails (warned once).
+    """
+    if not _ALLOWED:
         return None
     with _LOCK:
         if not _STATE['tried']:
@@ -175,8 +195,9 @@ def load():
             except Exception as e:  # noqa: BLE001 - any failure means: use stock kernels
                 _STATE['error'] = e
                 warnings.warn("tf1_syncbn: custom CPU kernels unavailable (%s); using "
-                              "TensorFlow's stock kernels (same results, slower)." % e,
-                              RuntimeWarning, stacklevel=2)
+                              "TensorFlow's stock kernels (same results, slower) and "
+                              "TensorFlow's per-op collective timeouts (two threads per "
+                              "collective while it runs)." % e, RuntimeWarning, stacklevel=2)
         return _STATE['module']
 
 

@@ -18,11 +18,32 @@
 // seen here as [outer, C, inner]. Statistics accumulate in float for blocks
 // of rows and in double across blocks; moments are taken around a per-channel
 // shift (the first element), so they stay exact when |mean| >> std.
+//
+// Also the step watchdog, which bounds how long a step may wait in its
+// collectives without TensorFlow's per-op timeout (one sleeping thread per
+// collective execution, for the whole timeout):
+//
+//   SyncBnStepWatchdog()  (attrs: timeout_seconds, message)
+//       arms a deadline for this step with one process-wide thread; the
+//       step's cancellation manager disarms it when the step ends; past the
+//       deadline the step's collective executor is aborted, as TensorFlow's
+//       own collective timeout does, so every waiting collective fails with
+//       DeadlineExceeded and the message;
+//   SyncBnArmedWatchdogs() -> int64: how many steps are armed now (tests).
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
 #include <vector>
 
+#include "tensorflow/core/framework/cancellation.h"
+#include "tensorflow/core/framework/collective.h"
+#include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -367,7 +388,143 @@ Status VectorOfChannels(InferenceContext* c, int input, DimensionHandle* channel
   return OkStatus();
 }
 
+// One thread for the whole process watches the deadlines of the running
+// steps. Allocated once and never destroyed, so that the detached thread
+// never outlives its mutex at exit.
+class StepWatchdog {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  static StepWatchdog& Get() {
+    static StepWatchdog* watchdog = new StepWatchdog();
+    return *watchdog;
+  }
+
+  // Watches `executor` (one step's) for `seconds`; returns the id to disarm.
+  int64_t Arm(CollectiveExecutor* executor, double seconds, const std::string& message) {
+    executor->Ref();
+    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                             std::chrono::duration<double>(seconds));
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!started_) {
+      std::thread([this] { Loop(); }).detach();
+      started_ = true;
+    }
+    const int64_t id = next_id_++;
+    entries_[id] = Entry{deadline, executor, message};
+    cv_.notify_one();
+    return id;
+  }
+
+  // The step ended (or is being cancelled) before its deadline.
+  void Disarm(int64_t id) {
+    CollectiveExecutor* executor = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = entries_.find(id);
+      if (it == entries_.end()) return;
+      executor = it->second.executor;
+      entries_.erase(it);
+    }
+    executor->Unref();
+  }
+
+  int64_t Armed() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int64_t>(entries_.size());
+  }
+
+ private:
+  struct Entry {
+    Clock::time_point deadline;
+    CollectiveExecutor* executor;
+    std::string message;
+  };
+
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      if (entries_.empty()) {
+        cv_.wait(lock);
+        continue;
+      }
+      auto next = entries_.begin();
+      for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+        if (it->second.deadline < next->second.deadline) next = it;
+      }
+      if (Clock::now() < next->second.deadline) {
+        cv_.wait_until(lock, next->second.deadline);
+        continue;
+      }
+      Entry expired = next->second;
+      entries_.erase(next);
+      lock.unlock();
+      expired.executor->StartAbort(absl::DeadlineExceededError(expired.message));
+      expired.executor->Unref();
+      lock.lock();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<int64_t, Entry> entries_;
+  int64_t next_id_ = 0;
+  bool started_ = false;
+};
+
+class SyncBnStepWatchdogOp : public OpKernel {
+ public:
+  explicit SyncBnStepWatchdogOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("timeout_seconds", &timeout_));
+    OP_REQUIRES_OK(c, c->GetAttr("message", &message_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    CollectiveExecutor* executor = ctx->collective_executor();
+    CancellationManager* cancellation = ctx->cancellation_manager();
+    // No collective executor: the step runs no collective, nothing can wait.
+    if (executor == nullptr || cancellation == nullptr || timeout_ <= 0) return;
+    StepWatchdog& watchdog = StepWatchdog::Get();
+    const int64_t id = watchdog.Arm(executor, timeout_, message_);
+    // The step's cancellation manager runs its callbacks when the step is
+    // cancelled and when it is destroyed at the end of the step.
+    const CancellationToken token = cancellation->get_cancellation_token();
+    if (!cancellation->RegisterCallback(token, [id] { StepWatchdog::Get().Disarm(id); })) {
+      watchdog.Disarm(id);  // already cancelled
+    }
+  }
+
+ private:
+  float timeout_;
+  std::string message_;
+};
+
+class SyncBnArmedWatchdogsOp : public OpKernel {
+ public:
+  explicit SyncBnArmedWatchdogsOp(OpKernelConstruction* c) : OpKernel(c) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() = StepWatchdog::Get().Armed();
+  }
+};
+
 }  // namespace
+
+REGISTER_OP("SyncBnStepWatchdog")
+    .Attr("timeout_seconds: float")
+    .Attr("message: string")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs);
+
+REGISTER_OP("SyncBnArmedWatchdogs")
+    .Output("armed: int64")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::ScalarShape);
+
+REGISTER_KERNEL_BUILDER(Name("SyncBnStepWatchdog").Device(DEVICE_CPU), SyncBnStepWatchdogOp);
+REGISTER_KERNEL_BUILDER(Name("SyncBnArmedWatchdogs").Device(DEVICE_CPU), SyncBnArmedWatchdogsOp);
 
 REGISTER_OP("SyncBnMoments")
     .Input("x: T")
