@@ -61,6 +61,7 @@ import tensorflow as tf
 
 from tf1_syncbn.backends import CollectiveBackend, op_timeout, stable_hash
 from tower.context import get_current_tower_context
+from tower.training import check_tower_grads
 
 tf1 = tf.compat.v1
 log = logging.getLogger(__name__)
@@ -496,20 +497,6 @@ def _check_static(tensor, what):
 
 # --- gradients -------------------------------------------------------------------------
 
-def _check_tower_grads(tower_grads):
-    tower_grads = [list(g) for g in tower_grads]
-    if not tower_grads:
-        raise ValueError('all_reduce_gradients: tower_grads is empty.')
-    first = [v for _, v in tower_grads[0]]
-    for i, grads in enumerate(tower_grads[1:], 1):
-        others = [v for _, v in grads]
-        if len(others) != len(first) or any(a is not b for a, b in zip(others, first)):
-            raise ValueError(
-                'all_reduce_gradients: tower %d lists different variables than tower 0; build '
-                'every tower with the same shared variables, in the same order.' % i)
-    return tower_grads
-
-
 def _local_sum(grads, sparse_as_dense):
     """Sum of one variable's tower gradients: a Tensor, an IndexedSlices or None."""
     grads = [g for g in grads if g is not None]
@@ -601,7 +588,7 @@ def all_reduce_gradients(tower_grads, cluster=None, name='gradients',
     seconds (``DeadlineExceededError``; :class:`WorkerSession` turns it into
     :class:`WorkerLostError`).
     """
-    tower_grads = _check_tower_grads(tower_grads)
+    tower_grads = check_tower_grads(tower_grads, 'all_reduce_gradients')
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError('all_reduce_gradients: bucket_bytes must be a positive int, got %r.'
                          % (bucket_bytes,))

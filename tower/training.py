@@ -54,6 +54,30 @@ def _as_dense(grad):
     return grad
 
 
+def check_tower_grads(tower_grads, caller):
+    """Checks per-tower ``(grad, var)`` lists; returns them as a list of lists.
+
+    Args:
+      tower_grads: one list of ``(gradient, variable)`` pairs per tower.
+      caller: the public function's name, for messages.
+
+    Raises:
+      ValueError: when ``tower_grads`` is empty, or a tower lists other
+        variables than tower 0 (or in another order).
+    """
+    tower_grads = [list(g) for g in tower_grads]
+    if not tower_grads:
+        raise ValueError('%s: tower_grads is empty.' % caller)
+    first = [v for _, v in tower_grads[0]]
+    for i, grads in enumerate(tower_grads[1:], 1):
+        others = [v for _, v in grads]
+        if len(others) != len(first) or any(a is not b for a, b in zip(others, first)):
+            raise ValueError(
+                '%s: tower %d lists different variables than tower 0; build every tower '
+                'with the same shared variables, in the same order.' % (caller, i))
+    return tower_grads
+
+
 def average_gradients(tower_grads):
     """Averages gradients over towers, the classic in-graph data-parallel step.
 
@@ -80,17 +104,8 @@ def average_gradients(tower_grads):
       ValueError: when ``tower_grads`` is empty or the towers list different
         variables.
     """
-    tower_grads = [list(g) for g in tower_grads]
-    if not tower_grads:
-        raise ValueError('average_gradients: tower_grads is empty.')
+    tower_grads = check_tower_grads(tower_grads, 'average_gradients')
     num_towers = len(tower_grads)
-    first = [v for _, v in tower_grads[0]]
-    for i, grads in enumerate(tower_grads[1:], 1):
-        names = [v for _, v in grads]
-        if len(names) != len(first) or any(a is not b for a, b in zip(names, first)):
-            raise ValueError(
-                'average_gradients: tower %d lists different variables than tower 0; '
-                'build every tower with the same shared variables, in the same order.' % i)
     averaged = []
     with tf.name_scope('average_gradients'):
         for pairs in zip(*tower_grads):
