@@ -155,3 +155,12 @@ def test_builtin_patterns_cannot_be_removed():
         unregister_tower_pattern(r'clone_([0-9]+)')
     with pytest.raises(ValueError, match='not registered'):
         unregister_tower_pattern(r'nothing([0-9]+)')
+
+
+def test_the_run_time_check_can_be_left_out_for_exported_graphs(graph, monkeypatch):
+    monkeypatch.setenv('TF1_SYNCBN_RUNTIME_CHECK', '0')
+    for i in range(2):
+        with tf.device('/cpu:%d' % i), TowerContext('tower%d' % i, index=i, total=2):
+            sync_batch_norm(ph(), scope='bn', sync_statistics='collective')
+    assert not [op for op in graph.get_operations() if op.name == 'tf1_syncbn_check_towers']
+    assert [op for op in graph.get_operations() if op.type == 'CollectiveReduce']

@@ -14,6 +14,7 @@ that all towers built the same synchronized layers.
 """
 
 import collections
+import os
 
 import tensorflow as tf
 
@@ -175,6 +176,10 @@ class SyncRegistry(object):
         registry (a Python check that is cached after it passes) and raises
         ``InvalidArgumentError`` naming the layers and towers instead.
 
+        The check is a Python op (``tf.numpy_function``): a graph exported with
+        ``export_meta_graph`` and imported into another process cannot run it.
+        ``TF1_SYNCBN_RUNTIME_CHECK=0`` leaves it out of graphs built for that.
+
         Args:
           device: the tower's canonical device ('' when unplaced).
           timeout: the backend's :meth:`~tf1_syncbn.SyncBackend.step_timeout`.
@@ -182,6 +187,9 @@ class SyncRegistry(object):
         Returns:
           A list of ops, for ``control_inputs``.
         """
+        watchdog = self.watchdog(device, timeout)
+        if os.environ.get('TF1_SYNCBN_RUNTIME_CHECK', '1') == '0':
+            return watchdog
         graph = tf.compat.v1.get_default_graph()   # a tf.cond branch has its own
         slot = (graph, _host_cpu(device))
         op = self.guards.get(slot)
@@ -190,7 +198,7 @@ class SyncRegistry(object):
                 op = tf.numpy_function(self._check_at_run_time, [], [],
                                        name='tf1_syncbn_check_towers')
             self.guards[slot] = op
-        return [op] + self.watchdog(device, timeout)
+        return [op] + watchdog
 
     def watchdog(self, device, timeout):
         """Arms the step watchdog of ``device``'s host for ``timeout`` seconds.
