@@ -102,6 +102,28 @@ def build_towers_on(layer_fn, devices, shape, dtype=tf.float32):
     return dict(xs=xs, dys=dys, ys=ys, loss=loss)
 
 
+def towers_skipping_a_layer(backend):
+    """Two name-scope towers that build one synchronized layer; tower 1 skips it at run time.
+
+    Every tower builds the layer (the build-time and first-run checks see a
+    complete group), but a ``tf.cond`` runs it in tower 0 only: the all-reduce
+    waits for tower 1 until the backend's timeout.
+
+    Returns:
+      ``(xs, ys)``: the towers' placeholders and outputs.
+    """
+    from tf1_syncbn import sync_batch_norm
+    xs, ys = [], []
+    for i in range(2):
+        with tf.device('/cpu:%d' % i), tf.name_scope('tower%d' % i):
+            x = tf1.placeholder(tf.float32, [None, 3])
+            xs.append(x)
+            layer = lambda: sync_batch_norm(x, num_dev=2, scope='bn', reuse=tf1.AUTO_REUSE,  # noqa: E731,B023
+                                            updates_collections=None, sync_statistics=backend)
+            ys.append(tf.cond(tf.constant(i == 0), layer, lambda: x))  # noqa: B023
+    return xs, ys
+
+
 def count_ops(graph, op_type):
     return sum(1 for op in graph.get_operations() if op.type == op_type)
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from bn_reference import build_towers
+from bn_reference import build_towers, towers_skipping_a_layer
 from conftest import make_session
 from tf1_syncbn import CollectiveBackend, sync_batch_norm
 from tower import TowerContext, call_for_each_tower, get_current_tower_context
@@ -177,15 +177,7 @@ def test_a_tower_that_never_builds_a_layer_fails_at_the_first_run(graph):
 
 def test_a_tower_that_skips_a_layer_at_run_time_times_out(graph):
     """A layer built in every tower but skipped by a tf.cond in one: only the timeout sees it."""
-    xs, ys = [], []
-    for i in range(2):
-        with tf.device('/cpu:%d' % i), tf.name_scope('tower%d' % i):
-            x = ph([None, 3])
-            xs.append(x)
-            layer = lambda: sync_batch_norm(x, num_dev=2, scope='bn', reuse=tf1.AUTO_REUSE,
-                                            updates_collections=None,
-                                            sync_statistics=CollectiveBackend(timeout=1))
-            ys.append(tf.cond(tf.constant(i == 0), layer, lambda: x))
+    xs, ys = towers_skipping_a_layer(CollectiveBackend(timeout=1))
     with make_session(graph, 2) as sess:
         sess.run(tf1.global_variables_initializer())
         with pytest.raises(tf.errors.DeadlineExceededError):
