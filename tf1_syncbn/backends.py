@@ -19,19 +19,15 @@ object such as ``CollectiveBackend(timeout=30)``.
 
 import collections
 import hashlib
-import os
 import re
 
 import tensorflow as tf
 
+from tf1_syncbn.timeouts import DEFAULT_TIMEOUT, validate_timeout
+
 __all__ = ['SyncBackend', 'SyncKey', 'CollectiveBackend', 'NcclBackend', 'HorovodBackend',
            'stable_hash', 'DEFAULT_TIMEOUT', 'op_timeout', 'step_watchdog_available']
 
-#: Seconds a collective all-reduce waits for the other members before it fails
-#: with ``DeadlineExceededError``: 600, or the environment variable
-#: ``TF1_SYNCBN_TIMEOUT`` (read when :mod:`tf1_syncbn` is imported; 0 waits
-#: forever). ``CollectiveBackend(timeout=...)`` overrides it per layer.
-DEFAULT_TIMEOUT = float(os.environ.get('TF1_SYNCBN_TIMEOUT', '600'))
 
 SyncKey = collections.namedtuple('SyncKey', ['name', 'layer', 'group_size', 'device'])
 SyncKey.__doc__ = """What identifies one synchronized all-reduce.
@@ -159,8 +155,10 @@ class CollectiveBackend(SyncBackend):
         compiled library, every collective op carries TensorFlow's own timeout
         instead (two sleeping threads per collective execution while it runs,
         which a network with hundreds of layers turns into thousands). None
-        uses :data:`DEFAULT_TIMEOUT` (600 s, or ``$TF1_SYNCBN_TIMEOUT``); 0
-        waits forever.
+        uses :data:`tf1_syncbn.timeouts.DEFAULT_TIMEOUT` (600 s, or
+        ``$TF1_SYNCBN_TIMEOUT``); 0 or ``float('inf')`` wait forever; finite
+        values are clamped to :data:`tf1_syncbn.timeouts.MAX_TIMEOUT`
+        (see :func:`tf1_syncbn.timeouts.validate_timeout`).
       communication_hint: passed to TensorFlow (``'auto'``, ``'ring'`` or
         ``'nccl'``).
       num_workers: the number of worker processes that each build the same
@@ -172,18 +170,15 @@ class CollectiveBackend(SyncBackend):
     name = 'collective'
 
     def __init__(self, timeout=None, communication_hint='auto', num_workers=1):
-        if timeout is None:
-            timeout = DEFAULT_TIMEOUT
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
-            raise ValueError('CollectiveBackend: timeout must be a number of seconds >= 0, '
-                             'got %r.' % (timeout,))
+        timeout = DEFAULT_TIMEOUT if timeout is None else validate_timeout(
+            timeout, 'CollectiveBackend')
         if communication_hint not in ('auto', 'ring', 'nccl'):
             raise ValueError("CollectiveBackend: communication_hint must be 'auto', 'ring' or "
                              "'nccl', got %r." % (communication_hint,))
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError('CollectiveBackend: num_workers must be a positive int, got %r.'
                              % (num_workers,))
-        self.timeout = float(timeout)
+        self.timeout = timeout
         self.communication_hint = communication_hint
         self.num_workers = num_workers
 
