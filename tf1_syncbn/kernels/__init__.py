@@ -8,11 +8,20 @@ kernels, one pass each, around the two all-reduces.
 
 They are compiled against the installed TensorFlow the first time a
 synchronized layer is built on a CPU tower (about 20 s with ``g++``; one line
-on stderr says so when it starts and when it is done), and cached in
-``$TF1_SYNCBN_CACHE`` (default ``~/.cache/tf1_syncbn``). The cache key is the
-source, the compiler flags and the TensorFlow build (version, commit, ABI
-flags): not the checkout's or the virtual environment's path, so every
-checkout and environment with the same TensorFlow shares one build.
+on stderr says so when it starts, with the arch flags, and when it is done),
+and cached in ``$TF1_SYNCBN_CACHE`` (default ``~/.cache/tf1_syncbn``). The
+cache key is the source, the compiler flags (the arch flags actually used
+included) and the TensorFlow build (version, commit, ABI flags): not the
+checkout's or the virtual environment's path, so every checkout and
+environment with the same TensorFlow shares one build.
+
+On a CPU with every feature of x86-64-v3 (AVX2, FMA, BMI1/2, F16C, LZCNT,
+MOVBE, XSAVE and v2's), they target that level: ``-march=x86-64-v3`` where the
+compiler accepts it (g++ 11+, clang 12+), else the same features as explicit
+``-m`` flags, else no arch flag (portable, slower). Which one is decided by
+compiling a tiny file (under 0.1 s per flag set, once per process and
+compiler), only when no build for this CPU is cached: loading a cached
+library runs no compiler, and ``import tf1_syncbn`` none at all.
 
 Build them ahead of time (for images and CI) with::
 
@@ -71,21 +80,131 @@ def use_custom_kernels(flag):
         _ENABLED[0] = previous
 
 
-def _arch_flags():
-    if platform.machine() not in ('x86_64', 'AMD64'):
-        return []
+#: The cpuinfo flags (Linux's names) of every feature that x86-64-v3 requires,
+#: v2's included ('pni' is SSE3, 'abm' LZCNT); x86-64 (v1) itself is implied.
+_X86_64_V2_CPU_FLAGS = ('cx16', 'lahf_lm', 'pni', 'popcnt', 'sse4_1', 'sse4_2', 'ssse3')
+_X86_64_V3_CPU_FLAGS = _X86_64_V2_CPU_FLAGS + (
+    'abm', 'avx', 'avx2', 'bmi1', 'bmi2', 'f16c', 'fma', 'movbe', 'xsave')
+#: How the kernels target x86-64-v3: the level itself (g++ >= 11, clang >= 12),
+#: else the same features one by one, else nothing (a portable build).
+_V3_MARCH = ('-march=x86-64-v3',)
+_V3_EXPLICIT = ('-mcx16', '-msahf', '-mpopcnt', '-msse3', '-mssse3', '-msse4.1', '-msse4.2',
+                '-mavx', '-mavx2', '-mbmi', '-mbmi2', '-mf16c', '-mfma', '-mlzcnt', '-mmovbe',
+                '-mxsave')
+#: Compiled by the probe: it fails unless the flags really enable the level's
+#: instruction sets (a compiler that ignored them would pass a bare file).
+_PROBE_SOURCE = """\
+#if !defined(__AVX__) || !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__) || \\
+    !defined(__BMI__) || !defined(__BMI2__) || !defined(__LZCNT__) || !defined(__POPCNT__) || \\
+    !defined(__SSE3__) || !defined(__SSSE3__) || !defined(__SSE4_1__) || !defined(__SSE4_2__)
+#error "the flags do not enable x86-64-v3"
+#endif
+int tf1_syncbn_probe(int x) { return x + 1; }
+"""
+_PROBE_TIMEOUT_S = 60
+_COMPILE_TIMEOUT_S = 900
+_PROBES = {}       # (compiler, flags) -> (accepted, the compiler's first error line)
+_CPU_FLAGS = []    # this machine's cpuinfo flags, read once
+
+
+def _cpu_flags(path='/proc/cpuinfo'):
+    """The CPU feature flags listed in ``path`` (a cpuinfo file); empty if unreadable."""
     try:
-        with open('/proc/cpuinfo') as f:
-            flags = set(next((l for l in f if l.startswith('flags')), '').split())
+        with open(path) as f:
+            for line in f:
+                if line.startswith('flags'):
+                    return frozenset(line.partition(':')[2].split())
     except OSError:
-        return []
-    if {'avx2', 'fma', 'bmi2'} <= flags:
-        return ['-march=x86-64-v3']
-    return []
+        pass
+    return frozenset()
+
+
+def _machine_cpu_flags():
+    if not _CPU_FLAGS:
+        _CPU_FLAGS.append(_cpu_flags())
+    return _CPU_FLAGS[0]
+
+
+def _arch_candidates(cpu_flags=None, machine=None):
+    """The arch flag sets a build for this CPU may use, best first, and why.
+
+    Returns:
+      ``(candidates, reason)``: a list of flag tuples, and when it holds only the
+      portable ``()``, why (not x86-64, or the CPU features it lacks).
+    """
+    machine = platform.machine() if machine is None else machine
+    if machine not in ('x86_64', 'AMD64'):
+        return [()], 'not an x86-64 machine (%s)' % machine
+    cpu_flags = _machine_cpu_flags() if cpu_flags is None else frozenset(cpu_flags)
+    missing = [flag for flag in _X86_64_V3_CPU_FLAGS if flag not in cpu_flags]
+    if missing:
+        return [()], 'the CPU lacks x86-64-v3 (no %s)' % ', '.join(missing)
+    return [_V3_MARCH, _V3_EXPLICIT, ()], None
 
 
 def _compiler():
     return os.environ.get('CXX') or 'g++'
+
+
+def _probe(compiler, flags):
+    """Whether ``compiler`` compiles a tiny file with ``flags``: ``(ok, first error line)``.
+
+    Run at most once per compiler and flag set in a process (under 0.1 s), and
+    only when the library is not cached yet.
+    """
+    key = (compiler, tuple(flags))
+    if key not in _PROBES:
+        if shutil.which(compiler) is None:
+            _PROBES[key] = (False, '%r was not found' % compiler)
+        else:
+            with tempfile.TemporaryDirectory(prefix='tf1_syncbn_probe_') as tmp:
+                source = os.path.join(tmp, 'probe.cc')
+                with open(source, 'w') as f:
+                    f.write(_PROBE_SOURCE)
+                command = [compiler] + list(flags) + ['-c', source,
+                                                      '-o', os.path.join(tmp, 'probe.o')]
+                try:
+                    proc = subprocess.run(command, capture_output=True, text=True,
+                                          timeout=_PROBE_TIMEOUT_S)
+                    errors = [l.strip() for l in proc.stderr.splitlines() if 'error' in l]
+                    _PROBES[key] = (proc.returncode == 0,
+                                    errors[0] if errors else 'exit status %d' % proc.returncode)
+                except subprocess.TimeoutExpired:
+                    _PROBES[key] = (False, 'no answer in %d s' % _PROBE_TIMEOUT_S)
+                except OSError as e:
+                    _PROBES[key] = (False, str(e))
+    return _PROBES[key]
+
+
+def _arch_flags(cpu_flags=None, machine=None, compiler=None):
+    """The arch flags to compile with, and a few words on the choice.
+
+    x86-64-v3 when the CPU has every feature of the level: ``-march=x86-64-v3``
+    if the compiler accepts it, else the level's features as explicit ``-m``
+    flags (g++ 10 and older, clang 11 and older), else no arch flag at all.
+
+    Args:
+      cpu_flags: the CPU's cpuinfo flags; None reads ``/proc/cpuinfo``.
+      machine: ``platform.machine()``, or another for tests.
+      compiler: the compiler to ask; None is ``$CXX`` or ``g++``.
+
+    Returns:
+      ``(flags, description)``: a tuple of flags, and words for the compile message.
+    """
+    candidates, reason = _arch_candidates(cpu_flags, machine)
+    if reason:
+        return (), 'portable: %s' % reason
+    compiler = _compiler() if compiler is None else compiler
+    if shutil.which(compiler) is None:
+        return (), 'portable: no compiler %r' % compiler
+    accepted, why = _probe(compiler, _V3_MARCH)
+    if accepted:
+        return _V3_MARCH, ' '.join(_V3_MARCH)
+    if _probe(compiler, _V3_EXPLICIT)[0]:
+        return _V3_EXPLICIT, 'x86-64-v3 as explicit -m flags: %s rejects -march=x86-64-v3 (%s)' % (
+            compiler, why)
+    return (), 'portable: %s accepts neither -march=x86-64-v3 (%s) nor its -m flags' % (
+        compiler, why)
 
 
 def _tf_flags():
@@ -93,14 +212,18 @@ def _tf_flags():
     return tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()
 
 
-def _compile_command(output):
+def _compile_command(output, arch_flags):
     compile_flags, link_flags = _tf_flags()
-    return ([_compiler()] + _OPT_FLAGS + [_SOURCE, '-o', output] + _arch_flags() +
+    return ([_compiler()] + _OPT_FLAGS + [_SOURCE, '-o', output] + list(arch_flags) +
             compile_flags + link_flags)
 
 
-def _cache_key():
-    """What the built library depends on: source, flags, TensorFlow build; no paths."""
+def _cache_keys(arch_flag_sets):
+    """The cache key of a build with each of the arch flag sets given.
+
+    What the built library depends on: the source, every compiler flag (the
+    arch flags actually used included), the TensorFlow build; no paths.
+    """
     with open(_SOURCE, 'rb') as f:
         source = f.read()
     compile_flags, link_flags = _tf_flags()
@@ -108,37 +231,68 @@ def _cache_key():
     # TensorFlow: the same build anywhere else gives the same library.
     portable = [flag for flag in compile_flags + link_flags
                 if not flag.startswith(('-I', '-L'))]
-    build = (tf.__version__, tf.version.GIT_VERSION, tf.version.COMPILER_VERSION,
-             platform.machine(), _OPT_FLAGS, _arch_flags(), portable)
-    return hashlib.sha256(source + repr(build).encode()).hexdigest()[:16]
+    keys = []
+    for arch_flags in arch_flag_sets:
+        build = (tf.__version__, tf.version.GIT_VERSION, tf.version.COMPILER_VERSION,
+                 platform.machine(), _OPT_FLAGS, list(arch_flags), portable)
+        keys.append(hashlib.sha256(source + repr(build).encode()).hexdigest()[:16])
+    return keys
+
+
+def _cache_root():
+    return os.environ.get('TF1_SYNCBN_CACHE') or os.path.join(
+        os.environ.get('XDG_CACHE_HOME') or os.path.join(os.path.expanduser('~'), '.cache'),
+        'tf1_syncbn')
+
+
+def _target(force=False):
+    """``(path, arch flags, description or None)`` of the library to load or build.
+
+    A library already cached for one of the arch flag sets this CPU may use is
+    taken as it is, best first, without asking the compiler anything (nor
+    needing one); only when none is cached (or ``force``) is the compiler probed.
+    """
+    root = _cache_root()
+    candidates, _ = _arch_candidates()
+    if not force:
+        for arch_flags, key in zip(candidates, _cache_keys(candidates)):
+            path = os.path.join(root, key, 'sync_bn_ops.so')
+            if os.path.exists(path):
+                return path, arch_flags, None
+    arch_flags, description = _arch_flags()
+    return os.path.join(root, _cache_keys([arch_flags])[0], 'sync_bn_ops.so'), arch_flags, \
+        description
 
 
 def cache_path():
     """Where the compiled library for this TensorFlow build is (or will be) cached."""
-    root = os.environ.get('TF1_SYNCBN_CACHE') or os.path.join(
-        os.environ.get('XDG_CACHE_HOME') or os.path.join(os.path.expanduser('~'), '.cache'),
-        'tf1_syncbn')
-    return os.path.join(root, _cache_key(), 'sync_bn_ops.so')
+    return _target()[0]
 
 
 def _say(message):
     print('tf1_syncbn: %s' % message, file=sys.stderr, flush=True)
 
 
-def _compile(path):
+def _compile(path, arch_flags, description):
     compiler = _compiler()
     if shutil.which(compiler) is None:
         raise RuntimeError('no C++ compiler: %r (g++, or $CXX) was not found' % compiler)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix='.so', dir=os.path.dirname(path))
     os.close(fd)
-    _say('compiling the CPU kernels (once per TensorFlow build, about 20 s) into %s' % path)
+    _say('compiling the CPU kernels (once per TensorFlow build, about 20 s; %s) into %s'
+         % (description, path))
     start = time.time()
     try:
-        proc = subprocess.run(_compile_command(tmp), capture_output=True, text=True)
+        try:
+            proc = subprocess.run(_compile_command(tmp, arch_flags), capture_output=True,
+                                  text=True, timeout=_COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError('compiling %s with %s did not finish in %d s'
+                               % (_SOURCE, compiler, _COMPILE_TIMEOUT_S)) from None
         if proc.returncode != 0:
-            raise RuntimeError('compiling %s with %s failed:\n%s'
-                               % (_SOURCE, compiler, proc.stderr[-2000:]))
+            raise RuntimeError('compiling %s with %s (%s) failed:\n%s'
+                               % (_SOURCE, compiler, description, proc.stderr[-2000:]))
         os.replace(tmp, path)  # atomic: concurrent builders all leave a valid file
     finally:
         if os.path.exists(tmp):
@@ -155,9 +309,9 @@ def build(force=False):
     Raises:
       RuntimeError: no compiler, or compiling failed (the message says why).
     """
-    path = cache_path()
+    path, arch_flags, description = _target(force)
     if force or not os.path.exists(path):
-        _compile(path)
+        _compile(path, arch_flags, description)
     return path
 
 
