@@ -9,6 +9,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 DEMO_ARGS ?=
+# Extra pytest arguments, e.g. `make test PYTEST_ARGS='-k kernels -x'`.
+PYTEST_ARGS ?=
 
 .PHONY: demo test install kernels clean bench
 
@@ -46,8 +48,10 @@ demo: $(VENV)/.installed
 	-$(PY) -m tf1_syncbn.kernels
 	$(PY) examples/train_multitower.py $(DEMO_ARGS)
 
+# pytest.ini adds -rs (skip reasons) and a 300 s limit per test (pytest-timeout,
+# from setup.py's test extra).
 test: $(VENV)/.installed-test kernels
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed kernels
 	$(PY) bench/sync_step.py

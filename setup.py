@@ -47,7 +47,9 @@ setup(
         # tf-keras (needed by the tensorpack/tf-slim reference tests) is not
         # listed: it depends on the full ``tensorflow`` distribution. The
         # Makefile installs it with --no-deps, pinned to the installed TF.
-        'test': ['pytest', 'tensorpack==0.11', 'scikit-learn', 'matplotlib', 'tqdm'],
+        # pytest-timeout: pytest.ini's per-test limit (a hang fails the run).
+        'test': ['pytest', 'pytest-timeout>=2.1', 'tensorpack==0.11', 'scikit-learn',
+                 'matplotlib', 'tqdm'],
     },
     classifiers=[
         'Programming Language :: Python :: 3',
