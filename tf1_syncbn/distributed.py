@@ -9,7 +9,8 @@ towers on its own devices.
 * :func:`setup_cluster`: the cluster from ``TF_CONFIG`` (TensorFlow's own
   ``TFConfigClusterResolver``) or from a host list and a task index. Returns a
   :class:`Cluster`: the started server, the session config (collective group
-  leader, device filters, one device per tower) and the tower devices.
+  leader, device filters, one device per tower; with GPUs, this worker's own
+  GPUs) and the tower devices.
 * :func:`all_reduce_gradients` / :class:`DistributedOptimizer`: towers sum
   their gradients locally, then one collective all-reduce per bucket of packed
   gradients crosses the workers; the result is the average over every tower
@@ -34,22 +35,33 @@ Hang conditions, and what turns each into an error:
   :class:`WorkerSession`) raises :class:`PeerMissingError` naming it after
   ``startup_timeout`` seconds.
 * A peer that stops before the first collective: the start-up broadcast has
-  ``startup_timeout`` as its collective timeout.
+  ``startup_timeout`` as its collective timeout on the chief, and
+  ``startup_timeout + restore_timeout`` on the other workers, which wait
+  there while the chief restores its checkpoint (or runs ``init_fn``).
 * The group leader (worker 0) disappearing between the peer check and the
   first step makes TensorFlow retry ``GetStepSequence`` forever inside
   ``Session.run``, a wait no TensorFlow timeout covers. A watchdog thread ends
   the process (status :data:`EXIT_STARTUP_HANG`) when session start-up is
-  still blocked ``hang_timeout`` seconds later (by default twice the start-up
-  timeout plus 30 s), because that C++ wait cannot be interrupted from Python.
-* A peer that dies or freezes during training: every collective has the
-  cluster's ``collective_timeout``, so the next step fails within it (a dead
+  still blocked ``hang_timeout + restore_timeout`` seconds later (by default
+  ``hang_timeout`` is twice the start-up timeout plus 30 s), because that C++
+  wait cannot be interrupted from Python.
+* A peer that dies or freezes during training: each step of each worker has
+  the cluster's ``collective_timeout`` as its deadline, counted from the
+  step's start on that worker, so the next step fails within it (a dead
   peer's connection usually fails within a second); :meth:`WorkerSession.run`
   raises :class:`WorkerLostError`. TensorFlow then aborts the process's
   collective executor: the process must exit (see :func:`hard_exit`).
+* The same deadline also covers the time a step waits for peers that are
+  still busy *between* steps (the chief's :meth:`WorkerSession.save`, an
+  evaluation, a slow first step): ``collective_timeout`` must exceed the
+  longest step plus the longest pause of any worker between two steps, or a
+  healthy job fails with :class:`WorkerLostError`.
 """
 
 import collections
 import logging
+import math
+import numbers
 import os
 import socket
 import sys
@@ -60,23 +72,33 @@ import weakref
 import tensorflow as tf
 
 from tf1_syncbn.backends import CollectiveBackend, op_timeout, stable_hash
+from tf1_syncbn.timeouts import validate_timeout
 from tower.context import get_current_tower_context
 from tower.training import check_tower_grads
 
 tf1 = tf.compat.v1
 log = logging.getLogger(__name__)
 
-__all__ = ['Cluster', 'setup_cluster', 'session_config', 'unreachable_peers',
+__all__ = ['Cluster', 'setup_cluster', 'session_config', 'local_rank', 'unreachable_peers',
            'all_reduce_gradients', 'DistributedOptimizer', 'broadcast_variables', 'average_across_workers', 'WorkerSession', 'wait_for_peers',
            'ClusterError', 'PeerMissingError', 'WorkerLostError', 'hard_exit',
-           'DEFAULT_BUCKET_BYTES', 'DEFAULT_STARTUP_TIMEOUT', 'EXIT_STARTUP_HANG']
+           'DEFAULT_BUCKET_BYTES', 'DEFAULT_STARTUP_TIMEOUT', 'DEFAULT_RESTORE_TIMEOUT',
+           'EXIT_STARTUP_HANG', 'COMMUNICATION_HINTS']
 
 #: Bytes of gradients packed into one cross-worker all-reduce.
 DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
 #: Seconds to wait for every peer at start-up.
 DEFAULT_STARTUP_TIMEOUT = 120.0
+#: Seconds the other workers allow the chief, at start-up, to restore its
+#: checkpoint or run ``init_fn`` (see :class:`WorkerSession`). Generous on
+#: purpose: a limit that is too short fails every restart of a job whose
+#: restore is slow, so that it can never resume; one that is too long only
+#: delays the error when the chief freezes during start-up.
+DEFAULT_RESTORE_TIMEOUT = 600.0
 #: Exit status of a process whose session start-up stayed blocked (see the module docstring).
 EXIT_STARTUP_HANG = 75
+#: Values of ``communication_hint`` (TensorFlow's collective implementations).
+COMMUNICATION_HINTS = ('auto', 'ring', 'nccl')
 
 _TRAINING_JOBS = ('chief', 'worker')
 
@@ -111,12 +133,20 @@ class Cluster(object):
       towers: in-graph towers per worker.
       tower_devices: this worker's tower devices, one per tower.
       device_type: ``'CPU'`` or ``'GPU'``.
-      collective_timeout: seconds a step may wait in its collectives.
+      collective_timeout: the deadline of each step, in seconds, counted from
+        the step's start on this worker (0: none); see :func:`setup_cluster`.
       startup_timeout: seconds to wait for every peer at start-up.
+      communication_hint: the collective implementation asked of TensorFlow
+        (``'auto'``, ``'ring'`` or ``'nccl'``) by every cross-worker
+        collective and by :meth:`backend`.
+      local_rank: this worker's position among the workers on its own host
+        (the addresses with the same host part, in rank order).
     """
 
     def __init__(self, server, config, addresses, jobs, rank, towers, tower_devices,
-                 device_type, collective_timeout, startup_timeout):
+                 device_type, collective_timeout, startup_timeout, communication_hint='auto',
+                 local_rank=0):
+        _check_communication_hint(communication_hint, device_type, 'Cluster')
         self.server = server
         self.target = server.target if server is not None else ''
         self.config = config
@@ -129,6 +159,8 @@ class Cluster(object):
         self.device_type = device_type
         self.collective_timeout = collective_timeout
         self.startup_timeout = startup_timeout
+        self.communication_hint = communication_hint
+        self.local_rank = local_rank
 
     @property
     def is_chief(self):
@@ -152,33 +184,55 @@ class Cluster(object):
 
     def describe(self, rank):
         """``'worker <rank> (<address>)'``, for messages."""
-        if not self.addresses:
-            return 'worker %d' % rank
-        job, task = self.jobs[rank]
-        name = 'worker %d' % rank
-        if job != 'worker' or task != rank:
-            name += ' = %s:%d' % (job, task)
-        return '%s (%s)' % (name, self.addresses[rank])
+        return _describe(self.addresses, self.jobs, rank)
 
-    def backend(self, timeout=None):
+    def backend(self, timeout=None, communication_hint=None):
         """A :class:`~tf1_syncbn.CollectiveBackend` synchronizing batch norm over all workers.
 
         Args:
           timeout: the collective timeout; None uses ``collective_timeout``.
+          communication_hint: None uses the cluster's ``communication_hint``.
         """
-        return CollectiveBackend(timeout=self.collective_timeout if timeout is None else timeout,
-                                 num_workers=self.num_workers)
+        return CollectiveBackend(
+            timeout=self.collective_timeout if timeout is None else timeout,
+            communication_hint=(self.communication_hint if communication_hint is None
+                                else communication_hint),
+            num_workers=self.num_workers)
 
     def __repr__(self):
         return ('Cluster(rank=%d, num_workers=%d, towers=%d, devices=%r, target=%r)'
                 % (self.rank, self.num_workers, self.towers, self.tower_devices, self.target))
 
 
-def _check_number(value, what, minimum, allow_equal=True):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            value < minimum or (not allow_equal and value == minimum):
-        raise ValueError('setup_cluster: %s must be a number %s %s, got %r.'
-                         % (what, '>=' if allow_equal else '>', minimum, value))
+def _describe(addresses, jobs, rank):
+    if not addresses:
+        return 'worker %d' % rank
+    job, task = jobs[rank]
+    name = 'worker %d' % rank
+    if job != 'worker' or task != rank:
+        name += ' = %s:%d' % (job, task)
+    return '%s (%s)' % (name, addresses[rank])
+
+
+def _check_communication_hint(hint, device_type, owner):
+    if not isinstance(hint, str) or hint not in COMMUNICATION_HINTS:
+        raise ValueError("%s: communication_hint must be 'auto', 'ring' or 'nccl', got %r."
+                         % (owner, hint))
+    if hint == 'nccl' and device_type != 'GPU':
+        raise ValueError(
+            "%s: communication_hint='nccl' needs device_type='GPU', got device_type=%r: NCCL "
+            "runs only between GPUs, and TensorFlow would quietly use its ring implementation "
+            "on CPUs. Use communication_hint='auto' or 'ring' on CPUs." % (owner, device_type))
+
+
+def _check_seconds(value, owner, name, allow_zero):
+    """A finite number of seconds (> 0, or >= 0 with ``allow_zero``), as a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
+            math.isnan(value) or math.isinf(value) or value < 0 or \
+            (value == 0 and not allow_zero):
+        raise ValueError('%s: %s must be a finite number of seconds %s, got %r.'
+                         % (owner, name, '>= 0' if allow_zero else '> 0', value))
+    return float(value)
 
 
 def _parse_address(address, what):
@@ -188,6 +242,37 @@ def _parse_address(address, what):
     if not host or not port.isdigit():
         raise ValueError('%s: expected "host:port", got %r.' % (what, address))
     return host.strip('[]'), int(port)
+
+
+_LOOPBACK = ('localhost', '127.0.0.1', '::1')
+
+
+def _host_of(address):
+    """The host part of ``address``, lower-cased; every loopback spelling is ``'localhost'``."""
+    host = _parse_address(address, 'address')[0].lower()
+    return 'localhost' if host in _LOOPBACK else host
+
+
+def local_rank(addresses, rank):
+    """The position of worker ``rank`` among the workers on its own host.
+
+    Workers are on the same host when the host parts of their addresses are
+    spelled the same (case-insensitive; ``localhost``, ``127.0.0.1`` and
+    ``::1`` count as one). Names are not resolved: ``h0`` and its IP address
+    count as two hosts.
+
+    Args:
+      addresses: ``host:port`` of every worker, in rank order (empty for one
+        worker).
+      rank: the worker's index in ``addresses``.
+
+    Returns:
+      An int: 0 for the first worker of its host, 1 for the second, ...
+    """
+    if not addresses:
+        return 0
+    host = _host_of(addresses[rank])
+    return sum(1 for address in addresses[:rank] if _host_of(address) == host)
 
 
 def _cluster_from_tf_config():
@@ -218,8 +303,58 @@ def _tower_devices(jobs, rank, towers, device_type, local):
             for i in range(towers)]
 
 
+def _select_gpus(towers, worker, local, config, environ, physical_gpus):
+    """The ``visible_device_list`` of a GPU worker; raises when it cannot have its GPUs.
+
+    Args:
+      towers: GPUs this worker needs (one per tower).
+      worker: ``'worker <rank> (<address>)'``, for messages.
+      local: this worker's local rank (:func:`local_rank`).
+      config: the user's ``ConfigProto`` or None; a ``visible_device_list``
+        set there is kept.
+      environ: the environment (``CUDA_VISIBLE_DEVICES``).
+      physical_gpus: how many GPUs this process sees.
+
+    Returns:
+      The ``visible_device_list`` string.
+    """
+    fixes = ('Give each worker GPUs of its own: set CUDA_VISIBLE_DEVICES per worker (python -m '
+             'tf1_syncbn.launch --gpus-per-worker %d does), start fewer workers on this host, '
+             'or use fewer towers.' % towers)
+    user_list = config.gpu_options.visible_device_list if config is not None else ''
+    if user_list:
+        try:
+            chosen = [int(i) for i in user_list.split(',')]
+        except ValueError:
+            raise ValueError('setup_cluster: config.gpu_options.visible_device_list=%r is not a '
+                             'comma-separated list of GPU indices.' % (user_list,)) from None
+        source = 'config.gpu_options.visible_device_list=%r' % user_list
+        if len(chosen) < towers:
+            raise ValueError('setup_cluster: %s with towers=%d needs %d GPUs, but %s lists %d.'
+                             % (worker, towers, towers, source, len(chosen)))
+    elif 'CUDA_VISIBLE_DEVICES' in environ:
+        # The launcher (or the user) already chose this worker's GPUs.
+        chosen = list(range(towers))
+        source = 'CUDA_VISIBLE_DEVICES=%r' % environ['CUDA_VISIBLE_DEVICES']
+    else:
+        chosen = list(range(local * towers, (local + 1) * towers))
+        source = ('local rank %d: worker %d on its host, so GPUs %d to %d'
+                  % (local, local, chosen[0], chosen[-1]))
+    needed = max(chosen) + 1
+    if physical_gpus < needed:
+        if physical_gpus == 0:
+            fixes = ('A TensorFlow build without GPU support sees none, and so does a process '
+                     'whose CUDA_VISIBLE_DEVICES names a GPU that does not exist (CUDA then '
+                     'hides the GPUs listed after it). ' + fixes)
+        raise ValueError(
+            "setup_cluster: %s with device_type='GPU' and towers=%d needs %d GPUs (%s), but "
+            "this process sees %d. %s" % (worker, towers, needed, source, physical_gpus, fixes))
+    return ','.join(str(i) for i in chosen)
+
+
 def setup_cluster(towers=1, hosts=None, task=None, device_type='CPU', collective_timeout=None,
-                  startup_timeout=DEFAULT_STARTUP_TIMEOUT, config=None):
+                  startup_timeout=DEFAULT_STARTUP_TIMEOUT, config=None, communication_hint='auto',
+                  gpu_memory_growth=None):
     """Starts this worker's TensorFlow server and returns its :class:`Cluster`.
 
     The cluster comes from ``hosts`` and ``task`` when given, else from the
@@ -235,6 +370,22 @@ def setup_cluster(towers=1, hosts=None, task=None, device_type='CPU', collective
     its own devices and its creation never waits for the other workers; with
     ``device_type='CPU'`` it also asks for ``towers`` (virtual) CPU devices.
 
+    With ``device_type='GPU'``, each worker gets GPUs of its own through
+    ``gpu_options.visible_device_list`` (which TensorFlow renumbers, so the
+    towers are ``GPU:0`` to ``GPU:towers-1`` in every process):
+
+    * without ``CUDA_VISIBLE_DEVICES``: the worker with local rank ``r`` (the
+      ``r``-th worker of its host in the address list, see
+      :func:`local_rank`) gets GPUs ``r * towers`` to ``r * towers + towers - 1``;
+    * with ``CUDA_VISIBLE_DEVICES`` set (for example by
+      ``python -m tf1_syncbn.launch --gpus-per-worker``), the variable is
+      taken to have selected this worker's GPUs already: it gets the first
+      ``towers`` of them;
+    * a ``visible_device_list`` already set in ``config`` is kept.
+
+    The process must see enough GPUs (``tf.config.list_physical_devices``),
+    or this raises ``ValueError``.
+
     Args:
       towers: in-graph towers on this worker (every worker must use the same
         number).
@@ -243,32 +394,59 @@ def setup_cluster(towers=1, hosts=None, task=None, device_type='CPU', collective
       task: this worker's index in ``hosts``.
       device_type: ``'CPU'`` (virtual CPU devices) or ``'GPU'`` (one GPU per
         tower).
-      collective_timeout: seconds a training step may wait in the
-        collectives of this module and of :meth:`Cluster.backend` before it
-        fails, kept by one watchdog thread per process (see
-        :class:`tf1_syncbn.CollectiveBackend`); the start-up broadcast uses it
-        as a per-op timeout. None uses
-        :data:`tf1_syncbn.backends.DEFAULT_TIMEOUT`.
+      collective_timeout: the deadline of every training step, in seconds,
+        counted from the step's start on this worker, for the collectives of
+        this module and of :meth:`Cluster.backend` (kept by one watchdog
+        thread per process, see :class:`tf1_syncbn.CollectiveBackend`). The
+        step waits there for the other workers to reach the same step, so the
+        deadline covers this worker's step *and* whatever its peers do
+        between steps (the chief's checkpoint save, an evaluation, a slow
+        first step): it must exceed the longest step plus the longest pause of
+        any worker between two steps. None uses
+        :data:`tf1_syncbn.timeouts.DEFAULT_TIMEOUT`; 0 or ``float('inf')``
+        means no deadline (a lost worker then hangs the others); checked by
+        :func:`tf1_syncbn.timeouts.validate_timeout`.
       startup_timeout: seconds :class:`WorkerSession` waits for every peer at
-        start-up.
+        start-up (finite, > 0).
       config: a ``ConfigProto`` to start from (copied, not modified).
+      communication_hint: the collective implementation TensorFlow should
+        use for the cross-worker collectives and :meth:`Cluster.backend`:
+        ``'auto'``, ``'ring'`` or ``'nccl'`` (``device_type='GPU'`` only).
+      gpu_memory_growth: with GPUs, sets ``gpu_options.allow_growth``: True
+        allocates GPU memory as needed, False lets TensorFlow take nearly all
+        of each visible GPU at start-up. None (default) keeps ``config``'s
+        setting, which is TensorFlow's default, False: each worker has GPUs
+        of its own, and taking their memory at once fails at start-up, not
+        in the middle of training, when another process uses them. Set True
+        when processes must share GPUs.
 
     Returns:
       A :class:`Cluster`.
 
     Raises:
-      ValueError: on a malformed argument or TF_CONFIG (message names it).
+      ValueError: on a malformed argument or TF_CONFIG, or when a GPU worker
+        does not see the GPUs it needs (messages name the worker and the
+        argument).
+
+    Hangs: never; it starts the server and returns. See
+    :class:`WorkerSession` for the start-up waits.
     """
-    from tf1_syncbn.backends import DEFAULT_TIMEOUT
     if isinstance(towers, bool) or not isinstance(towers, int) or towers < 1:
         raise ValueError('setup_cluster: towers must be a positive int, got %r.' % (towers,))
     if device_type not in ('CPU', 'GPU'):
         raise ValueError("setup_cluster: device_type must be 'CPU' or 'GPU', got %r."
                          % (device_type,))
     if collective_timeout is None:
+        from tf1_syncbn.timeouts import DEFAULT_TIMEOUT
         collective_timeout = DEFAULT_TIMEOUT
-    _check_number(collective_timeout, 'collective_timeout', 0)
-    _check_number(startup_timeout, 'startup_timeout', 0, allow_equal=False)
+    collective_timeout = validate_timeout(collective_timeout, 'setup_cluster',
+                                          'collective_timeout')
+    startup_timeout = _check_seconds(startup_timeout, 'setup_cluster', 'startup_timeout',
+                                     allow_zero=False)
+    _check_communication_hint(communication_hint, device_type, 'setup_cluster')
+    if gpu_memory_growth is not None and not isinstance(gpu_memory_growth, bool):
+        raise ValueError('setup_cluster: gpu_memory_growth must be True, False or None, got %r.'
+                         % (gpu_memory_growth,))
 
     spec, job, job_task = _resolve(hosts, task)
     if spec is None:
@@ -278,7 +456,14 @@ def setup_cluster(towers=1, hosts=None, task=None, device_type='CPU', collective
         addresses = [spec[j][i] for j, i in jobs]
         rank = jobs.index((job, job_task))
     local = len(addresses) <= 1
-    new_config = session_config(towers, device_type, None if local else jobs, rank, config)
+    me = _describe(addresses if not local else [], jobs, rank)
+    my_local_rank = local_rank(addresses, rank)
+    gpus = None
+    if device_type == 'GPU':
+        gpus = _select_gpus(towers, me, my_local_rank, config, os.environ,
+                            len(tf.config.list_physical_devices('GPU')))
+    new_config = session_config(towers, device_type, None if local else jobs, rank, config,
+                                visible_gpus=gpus, gpu_memory_growth=gpu_memory_growth)
     server = None
     if not local:
         server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=job,
@@ -287,7 +472,7 @@ def setup_cluster(towers=1, hosts=None, task=None, device_type='CPU', collective
                  addresses[rank])
     return Cluster(server, new_config, addresses, jobs, rank, towers,
                    _tower_devices(jobs, rank, towers, device_type, local), device_type,
-                   float(collective_timeout), float(startup_timeout))
+                   collective_timeout, startup_timeout, communication_hint, my_local_rank)
 
 
 def _resolve(hosts, task):
@@ -316,7 +501,8 @@ def _resolve(hosts, task):
     return resolved
 
 
-def session_config(towers, device_type, jobs=None, rank=0, config=None):
+def session_config(towers, device_type, jobs=None, rank=0, config=None, visible_gpus=None,
+                   gpu_memory_growth=None):
     """The ``ConfigProto`` of a worker's sessions (what :func:`setup_cluster` returns).
 
     Args:
@@ -326,6 +512,9 @@ def session_config(towers, device_type, jobs=None, rank=0, config=None):
       jobs: ``(job, task)`` of every worker in rank order, or None for one worker.
       rank: this worker's index in ``jobs``.
       config: a ``ConfigProto`` to start from (copied).
+      visible_gpus: ``gpu_options.visible_device_list`` (``'2,3'``), or None
+        to leave it as ``config`` has it.
+      gpu_memory_growth: ``gpu_options.allow_growth``, or None to leave it.
 
     Returns:
       A ``ConfigProto`` with, for several workers,
@@ -338,6 +527,10 @@ def session_config(towers, device_type, jobs=None, rank=0, config=None):
         new_config.CopyFrom(config)
     if device_type == 'CPU':
         new_config.device_count['CPU'] = max(towers, new_config.device_count.get('CPU', 1))
+    if visible_gpus is not None:
+        new_config.gpu_options.visible_device_list = visible_gpus
+    if gpu_memory_growth is not None:
+        new_config.gpu_options.allow_growth = gpu_memory_growth
     if jobs is not None and len(jobs) > 1:
         leader_job, leader_task = jobs[0]
         job, job_task = jobs[rank]
@@ -473,6 +666,7 @@ def _all_reduce_packed(tensors, cluster, key):
         packed = flat[0] if len(flat) == 1 else tf.concat(flat, 0)
     summed = collective_ops.all_reduce(packed, cluster.num_workers, cluster.group_key, key,
                                        merge_op='Add', final_op='Id',
+                                       communication_hint=cluster.communication_hint,
                                        timeout=op_timeout(cluster.collective_timeout))
     return summed
 
@@ -522,7 +716,9 @@ def _gather_slices(slices, cluster, name, index):
         key = _instance_key(graph, name, '%s/%d' % (kind, index))
         with tf.control_dependencies(guard):
             t = tf.identity(t)
-        return collective_ops.all_gather(t, w, gk, key, timeout=timeout)
+        return collective_ops.all_gather(t, w, gk, key,
+                                         communication_hint=cluster.communication_hint,
+                                         timeout=timeout)
 
     values, indices = slices.values, slices.indices
     if values.shape[:1].is_fully_defined():
@@ -583,10 +779,15 @@ def all_reduce_gradients(tower_grads, cluster=None, name='gradients',
         has no static shape (needed to pack it), or when ``name`` is used twice
         in the graph.
 
+    Every collective carries ``cluster.communication_hint``.
+
     Hangs: the all-reduce waits for every worker; a worker that does not run
-    the same step fails the others after ``cluster.collective_timeout``
-    seconds (``DeadlineExceededError``; :class:`WorkerSession` turns it into
-    :class:`WorkerLostError`).
+    the same step fails the others once their step has lasted
+    ``cluster.collective_timeout`` seconds, counted from its start on each
+    worker (``DeadlineExceededError``; :class:`WorkerSession` turns it into
+    :class:`WorkerLostError`). A peer that pauses between steps (saving,
+    evaluating) for longer than that fails the others the same way. With
+    ``collective_timeout=0`` it waits forever.
     """
     tower_grads = check_tower_grads(tower_grads, 'all_reduce_gradients')
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
@@ -678,9 +879,12 @@ def broadcast_variables(variables, cluster, root=0, name='broadcast', timeout=No
       cluster: the :class:`Cluster`.
       root: the rank whose values are sent.
       name: distinguishes several calls in one graph.
-      timeout: seconds the broadcast waits for the other workers; None uses
-        ``cluster.collective_timeout``.
+      timeout: seconds the broadcast waits for the other workers (TensorFlow's
+        per-op timeout, from the moment this worker's broadcast starts); None
+        uses ``cluster.collective_timeout``; 0 or ``float('inf')`` wait forever.
       bucket_bytes: the most bytes of one broadcast.
+
+    Every collective carries ``cluster.communication_hint``.
 
     Returns:
       An op (a no-op with one worker).
@@ -694,7 +898,8 @@ def broadcast_variables(variables, cluster, root=0, name='broadcast', timeout=No
         raise ValueError('broadcast_variables: root must be in [0, %d), got %r.'
                          % (cluster.num_workers, root))
     from tensorflow.python.ops import collective_ops
-    timeout = cluster.collective_timeout if timeout is None else timeout
+    timeout = cluster.collective_timeout if timeout is None else validate_timeout(
+        timeout, 'broadcast_variables')
     graph = tf1.get_default_graph()
     ops = []
     with tf.device(cluster.reduce_device), tf1.name_scope('broadcast_' + name):
@@ -712,10 +917,11 @@ def broadcast_variables(variables, cluster, root=0, name='broadcast', timeout=No
                 packed = flat[0] if len(flat) == 1 else tf.concat(flat, 0)
                 ops.append(collective_ops.broadcast_send(
                     packed, packed.shape, dtype, cluster.num_workers, cluster.group_key, key,
-                    timeout=timeout))
+                    communication_hint=cluster.communication_hint, timeout=timeout))
             else:
                 packed = collective_ops.broadcast_recv(
-                    [size], dtype, cluster.num_workers, cluster.group_key, key, timeout=timeout)
+                    [size], dtype, cluster.num_workers, cluster.group_key, key,
+                    communication_hint=cluster.communication_hint, timeout=timeout)
                 for (v, _), value in zip(bucket, _unpack(packed, shapes)):
                     ops.append(tf1.assign(v, value))
         return tf.group(*ops)
@@ -899,8 +1105,8 @@ class WorkerSession(object):
     On construction, in this order:
 
     1. builds, in ``graph``, the initializer, a :func:`broadcast_variables`
-       op for ``variables`` (from worker 0, with ``startup_timeout`` as its
-       collective timeout) and a ``Saver`` when ``checkpoint_dir`` is given;
+       op for ``variables`` (from worker 0) and a ``Saver`` when
+       ``checkpoint_dir`` is given;
     2. waits until every peer's server accepts connections
        (:func:`wait_for_peers`; :class:`PeerMissingError` after
        ``cluster.startup_timeout`` seconds, naming the missing workers);
@@ -911,13 +1117,15 @@ class WorkerSession(object):
     5. runs the broadcast on every worker: every variable, the global step
        and optimizer slots included, becomes the chief's. So only the chief
        needs the checkpoint directory (no shared file system), and no worker
-       depends on its seeds. A peer that does not join the broadcast within
-       ``startup_timeout`` gives :class:`PeerMissingError`.
+       depends on its seeds. The other workers reach it while the chief is
+       still in step 4, so they wait for it up to ``startup_timeout +
+       restore_timeout`` seconds, the chief up to ``startup_timeout``; past
+       that, :class:`PeerMissingError`.
 
     Steps 3 to 5 run under a watchdog that ends the process with status
-    :data:`EXIT_STARTUP_HANG` when they are still blocked ``hang_timeout``
-    seconds later (TensorFlow waits forever for a group leader that
-    disappeared after step 2, see the module docstring).
+    :data:`EXIT_STARTUP_HANG` when they are still blocked ``hang_timeout +
+    restore_timeout`` seconds later (TensorFlow waits forever for a group
+    leader that disappeared after step 2, see the module docstring).
 
     :attr:`start_step` is the global step after start-up (the restored step,
     or 0): a job that feeds data by step resumes exactly where it stopped.
@@ -938,21 +1146,41 @@ class WorkerSession(object):
         restored, after the initializer and before the broadcast (for example
         to load pre-trained weights); the broadcast then carries its values.
       hang_timeout: seconds after which a start-up (steps 3 to 5) that is
-        still blocked ends the process; None means ``2 * startup_timeout + 30``.
+        still blocked ends the process, plus ``restore_timeout``; None means
+        ``2 * startup_timeout + 30``. Finite, > 0.
+      restore_timeout: seconds the chief may spend in step 4 (restoring its
+        checkpoint, or ``init_fn``) beyond ``startup_timeout`` before the
+        other workers give up on it; finite, >= 0. Default
+        :data:`DEFAULT_RESTORE_TIMEOUT` (600 s): too short a limit fails every
+        restart of a job whose restore is slow, too long a one only delays the
+        error when the chief freezes during start-up.
 
-    Hangs: see the steps above; every wait is bounded by ``startup_timeout``
-    or the collective timeout.
+    Raises:
+      ValueError: ``hang_timeout`` or ``restore_timeout`` not a finite number
+        of seconds.
+      PeerMissingError: see steps 2 and 5.
+
+    Hangs: never; every start-up wait is bounded as above: at most
+    ``startup_timeout`` (step 2), then ``hang_timeout + restore_timeout``
+    (steps 3 to 5).
     """
 
     def __init__(self, cluster, checkpoint_dir=None, saver=None, variables=None, init_op=None,
-                 graph=None, max_to_keep=5, restore=True, init_fn=None, hang_timeout=None):
+                 graph=None, max_to_keep=5, restore=True, init_fn=None, hang_timeout=None,
+                 restore_timeout=DEFAULT_RESTORE_TIMEOUT):
+        if hang_timeout is not None:
+            hang_timeout = _check_seconds(hang_timeout, 'WorkerSession', 'hang_timeout',
+                                          allow_zero=False)
+        self.restore_timeout = _check_seconds(restore_timeout, 'WorkerSession',
+                                              'restore_timeout', allow_zero=True)
         self.cluster = cluster
         self._restore = restore
         self._init_fn = init_fn
         self.checkpoint_dir = checkpoint_dir
         self.graph = graph if graph is not None else tf1.get_default_graph()
         self.restored_from = None
-        self._hang_timeout = hang_timeout
+        self.hang_limit = (2 * cluster.startup_timeout + 30 if hang_timeout is None
+                           else hang_timeout) + self.restore_timeout
         self._session = None
         self._watchdog = None
         with self.graph.as_default():
@@ -962,7 +1190,7 @@ class WorkerSession(object):
             if variables is None:
                 variables = tf1.global_variables()
             self._broadcast = broadcast_variables(variables, cluster, name='initial_values',
-                                                  timeout=cluster.startup_timeout)
+                                                  timeout=self.broadcast_timeout)
             if saver is None and checkpoint_dir is not None:
                 saver = tf1.train.Saver(max_to_keep=max_to_keep)
             self._saver = saver
@@ -975,14 +1203,22 @@ class WorkerSession(object):
             self.close()
             raise
 
+    @property
+    def broadcast_timeout(self):
+        """Seconds this worker's start-up broadcast waits for the others.
+
+        ``startup_timeout`` on the chief; ``startup_timeout + restore_timeout``
+        on the other workers, which wait there while the chief restores.
+        """
+        if self.cluster.is_chief:
+            return self.cluster.startup_timeout
+        return self.cluster.startup_timeout + self.restore_timeout
+
     def _start(self):
         cluster = self.cluster
         me = cluster.describe(cluster.rank)
         started = time.time()
         wait_for_peers(cluster)
-        limit = self._hang_timeout
-        if limit is None:
-            limit = 2 * cluster.startup_timeout + 30
 
         def stuck():
             missing = unreachable_peers(cluster)
@@ -992,11 +1228,13 @@ class WorkerSession(object):
                        'not answering: ' + ', '.join(missing) if missing else
                        'every peer accepts connections', EXIT_STARTUP_HANG))
 
-        self._watchdog.arm(limit, stuck)
+        self._watchdog.arm(self.hang_limit, stuck)
+        restore_seconds = 0.0
         try:
             self._session = tf1.Session(cluster.target, graph=self.graph, config=cluster.config)
             self._session.run(self._init_op)
             if cluster.is_chief:
+                restore_started = time.time()
                 latest = None
                 if self._restore and self.checkpoint_dir and self._saver is not None:
                     latest = tf1.train.latest_checkpoint(self.checkpoint_dir)
@@ -1006,16 +1244,29 @@ class WorkerSession(object):
                     log.info('%s restored %s', me, latest)
                 elif self._init_fn is not None:
                     self._init_fn(self._session)
+                restore_seconds = time.time() - restore_started
             try:
                 self._session.run(self._broadcast)
             except _LOST_ERRORS as e:
                 if cluster.num_workers == 1:
                     raise
                 missing = unreachable_peers(cluster)
+                if cluster.is_chief:
+                    within = 'the start-up timeout of %g s' % cluster.startup_timeout
+                    if restore_seconds > self.restore_timeout:
+                        within += (' (this worker spent %.0f s restoring its checkpoint or in '
+                                   'init_fn, more than restore_timeout=%g s, so the others '
+                                   'stopped waiting for it: raise restore_timeout)'
+                                   % (restore_seconds, self.restore_timeout))
+                else:
+                    within = ('%g s (startup_timeout=%g s + restore_timeout=%g s allowed for the '
+                              'chief\'s restore or init_fn)'
+                              % (self.broadcast_timeout, cluster.startup_timeout,
+                                 self.restore_timeout))
                 raise PeerMissingError(
-                    '%s: the other workers did not all join the start-up broadcast within the '
-                    'start-up timeout of %g s (%s; %s).'
-                    % (me, cluster.startup_timeout, _summarize(e),
+                    '%s: the other workers did not all join the start-up broadcast within %s '
+                    '(%s; %s).'
+                    % (me, within, _summarize(e),
                        'not answering now: ' + ', '.join(missing) if missing else
                        'every peer accepts connections'), missing) from None
         finally:
@@ -1038,9 +1289,15 @@ class WorkerSession(object):
 
         Raises:
           WorkerLostError: a collective of this step failed or timed out (a
-            worker died, froze, or did not run the same step). The process's
+            worker died, froze, did not run the same step, or paused between
+            two steps longer than the step deadline allows). The process's
             collective executor is then aborted: exit (:func:`hard_exit`) and
             restart the job, which resumes from the chief's checkpoint.
+
+        Hangs: never with ``collective_timeout > 0``: the step fails once it
+        has lasted ``collective_timeout`` seconds on this worker while a
+        collective of it still waits, which includes the time a peer spends
+        between its previous step and this one.
         """
         try:
             return self._session.run(fetches, feed_dict, options, run_metadata)
@@ -1053,8 +1310,9 @@ class WorkerSession(object):
                 'the job, which resumes from the chief\'s latest checkpoint.'
                 % (self.cluster.describe(self.cluster.rank), _summarize(e),
                    'not answering: ' + ', '.join(missing) if missing else
-                   'every peer still accepts connections, so one is frozen, stopped or '
-                   'failed its step')) from None
+                   'every peer still accepts connections, so one is frozen, stopped, failed '
+                   'its step, or spent longer between two steps (saving, evaluating) than the '
+                   'collective timeout of %g s allows' % self.cluster.collective_timeout)) from None
 
     def save(self, global_step=None):
         """Saves a checkpoint on the chief; does nothing elsewhere.
