@@ -70,7 +70,14 @@ def test_hosts_and_task(no_tf_config):
     (dict(towers=0), 'towers must be a positive int'),
     (dict(device_type='TPU'), 'device_type'),
     (dict(collective_timeout=-1), 'collective_timeout'),
+    (dict(collective_timeout=float('nan')), 'collective_timeout'),
+    (dict(collective_timeout='60'), 'collective_timeout'),
     (dict(startup_timeout=0), 'startup_timeout'),
+    (dict(startup_timeout=float('inf')), 'startup_timeout'),
+    (dict(startup_timeout=True), 'startup_timeout'),
+    (dict(communication_hint='fast'), "communication_hint must be 'auto', 'ring' or 'nccl'"),
+    (dict(communication_hint='nccl'), "communication_hint='nccl' needs device_type='GPU'"),
+    (dict(gpu_memory_growth='yes'), 'gpu_memory_growth must be True, False or None'),
 ])
 def test_bad_arguments_are_named(no_tf_config, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -280,3 +287,234 @@ def test_towers_built_by_hand_work_too(graph):
         sess.run(tf1.global_variables_initializer())
         sess.run(train_op)
         np.testing.assert_allclose(sess.run(w), [1.0 - 1.5])
+
+
+def test_collective_timeout_goes_through_validate_timeout(no_tf_config):
+    assert dist.setup_cluster(collective_timeout=float('inf')).collective_timeout == 0.0
+    assert dist.setup_cluster(collective_timeout=1e30).collective_timeout == 1e9
+    assert dist.setup_cluster(collective_timeout=7).backend().timeout == 7.0
+
+
+# --- GPUs (on CPU: the configs produced, with the GPU count and the server faked) --------
+
+class FakeServer(object):
+    """Stands in for tf.distribute.Server: records what it was started with."""
+    started = []
+
+    def __init__(self, cluster_spec, job_name, task_index, config, start):
+        self.cluster_spec, self.job_name, self.task_index = cluster_spec, job_name, task_index
+        self.config, self.target = config, 'grpc://fake:%d' % task_index
+        FakeServer.started.append(self)
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch, no_tf_config):
+    """``fake_gpus(n)``: this process sees n GPUs; servers are not started."""
+    real = tf.config.list_physical_devices
+    monkeypatch.delenv('CUDA_VISIBLE_DEVICES', raising=False)
+    monkeypatch.setattr(tf.distribute, 'Server', FakeServer)
+    FakeServer.started = []
+
+    def see(n):
+        devices = [tf.config.PhysicalDevice('/physical_device:GPU:%d' % i, 'GPU')
+                   for i in range(n)]
+        monkeypatch.setattr(tf.config, 'list_physical_devices',
+                            lambda kind=None: devices if kind == 'GPU' else real(kind))
+    return see
+
+
+# Workers 0, 2 and 3 on host h0 (spelled with and without capitals), worker 1 on h1.
+HOSTS = ['h0:2222', 'h1:2222', 'H0:2223', 'h0:2224']
+
+
+def test_local_rank_counts_the_workers_of_the_same_host():
+    assert [dist.local_rank(HOSTS, r) for r in range(4)] == [0, 0, 1, 2]
+    assert [dist.local_rank(['localhost:1', '127.0.0.1:2', '[::1]:3'], r)
+            for r in range(3)] == [0, 1, 2]
+    assert dist.local_rank([], 0) == 0
+
+
+def test_each_local_gpu_worker_gets_its_own_gpus(fake_gpus):
+    fake_gpus(6)
+    expected = ['0,1', '0,1', '2,3', '4,5']
+    for rank in range(4):
+        cluster = dist.setup_cluster(towers=2, hosts=HOSTS, task=rank, device_type='GPU')
+        assert cluster.local_rank == [0, 0, 1, 2][rank]
+        assert cluster.config.gpu_options.visible_device_list == expected[rank]
+        # The server runs with the same GPUs as the sessions.
+        assert FakeServer.started[-1].config.gpu_options.visible_device_list == expected[rank]
+        # visible_device_list renumbers: the towers are GPU:0 and GPU:1 in every process.
+        assert cluster.tower_devices == ['/job:worker/replica:0/task:%d/device:GPU:%d' % (rank, i)
+                                         for i in range(2)]
+        assert 'CPU' not in cluster.config.device_count
+        assert not cluster.config.gpu_options.allow_growth
+
+
+def test_one_gpu_worker_alone_takes_the_first_gpus(fake_gpus):
+    fake_gpus(4)
+    cluster = dist.setup_cluster(towers=3, device_type='GPU')
+    assert cluster.config.gpu_options.visible_device_list == '0,1,2'
+    assert cluster.tower_devices == ['/device:GPU:0', '/device:GPU:1', '/device:GPU:2']
+    assert FakeServer.started == []
+
+
+def test_cuda_visible_devices_has_already_chosen_the_gpus(fake_gpus, monkeypatch):
+    monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '6,7')
+    fake_gpus(2)                       # what the process sees through CUDA_VISIBLE_DEVICES
+    cluster = dist.setup_cluster(towers=2, hosts=HOSTS, task=3, device_type='GPU')
+    assert cluster.config.gpu_options.visible_device_list == '0,1'
+
+
+def test_a_visible_device_list_in_the_users_config_is_kept(fake_gpus):
+    fake_gpus(4)
+    config = tf1.ConfigProto()
+    config.gpu_options.visible_device_list = '3'
+    cluster = dist.setup_cluster(towers=1, hosts=HOSTS, task=2, device_type='GPU',
+                                 config=config)
+    assert cluster.config.gpu_options.visible_device_list == '3'
+    config.gpu_options.visible_device_list = '0'
+    with pytest.raises(ValueError, match='needs 2 GPUs, but config.gpu_options'):
+        dist.setup_cluster(towers=2, hosts=HOSTS, task=2, device_type='GPU', config=config)
+
+
+def test_memory_growth_option(fake_gpus):
+    fake_gpus(2)
+    assert dist.setup_cluster(towers=2, device_type='GPU',
+                              gpu_memory_growth=True).config.gpu_options.allow_growth
+    config = tf1.ConfigProto()
+    config.gpu_options.allow_growth = True
+    assert dist.setup_cluster(towers=2, device_type='GPU',
+                              config=config).config.gpu_options.allow_growth
+    assert not dist.setup_cluster(towers=2, device_type='GPU', config=config,
+                                  gpu_memory_growth=False).config.gpu_options.allow_growth
+
+
+@pytest.mark.parametrize('seen, cuda_visible, match', [
+    (4, None, r"worker 3 \(h0:2224\) with device_type='GPU' and towers=2 needs 6 GPUs "
+              r"\(local rank 2: worker 2 on its host, so GPUs 4 to 5\), but this process "
+              r"sees 4\. .*--gpus-per-worker 2"),
+    (1, '3,4', r"worker 3 \(h0:2224\) .* needs 2 GPUs \(CUDA_VISIBLE_DEVICES='3,4'\), but "
+               r"this process sees 1\."),
+    (0, '9', r"needs 2 GPUs .* sees 0\. A TensorFlow build without GPU support"),
+])
+def test_a_gpu_worker_that_does_not_see_its_gpus_is_an_error(fake_gpus, monkeypatch, seen,
+                                                             cuda_visible, match):
+    if cuda_visible is not None:
+        monkeypatch.setenv('CUDA_VISIBLE_DEVICES', cuda_visible)
+    fake_gpus(seen)
+    with pytest.raises(ValueError, match=match):
+        dist.setup_cluster(towers=2, hosts=HOSTS, task=3, device_type='GPU')
+    assert FakeServer.started == []           # the error comes before the server starts
+
+
+# --- communication_hint ------------------------------------------------------------------
+
+def _collective_ops(graph):
+    return [op for op in graph.get_operations() if op.type.startswith('Collective')]
+
+
+@pytest.mark.parametrize('device_type, hint', [('CPU', 'ring'), ('GPU', 'nccl')])
+@pytest.mark.parametrize('rank', [0, 1])
+def test_every_cross_worker_collective_carries_the_communication_hint(device_type, hint, rank):
+    addresses = ['localhost:1', 'localhost:2']
+    cluster = dist.Cluster(None, tf1.ConfigProto(), addresses,
+                           [('worker', 0), ('worker', 1)], rank, 2,
+                           dist._tower_devices([('worker', 0), ('worker', 1)], rank, 2,
+                                               device_type, False),
+                           device_type, 5.0, 1.0, communication_hint=hint)
+    assert cluster.backend().communication_hint == hint
+    assert cluster.backend(communication_hint='auto').communication_hint == 'auto'
+    graph = tf.Graph()
+    with graph.as_default():
+        opt = tf1.train.GradientDescentOptimizer(0.1)
+        tower_grads, variables = _tower_model(cluster.tower_devices, opt)
+
+        def dynamic_tower():
+            ids = tf1.placeholder(tf.int32, [None])
+            return [(tf.IndexedSlices(tf.gather(variables[1], ids), ids,
+                                      tf.constant([4, 2])), variables[1])]
+        dynamic = call_for_each_tower(dynamic_tower, cluster.tower_devices)
+        dist.all_reduce_gradients(tower_grads, cluster, name='static')
+        dist.all_reduce_gradients(dynamic, cluster, name='dynamic')
+        dist.average_across_workers([tf.constant(1.0)], cluster)
+        dist.broadcast_variables(variables, cluster)
+    ops = _collective_ops(graph)
+    kinds = {op.type for op in ops}
+    assert {'CollectiveReduce', 'CollectiveGather',
+            'CollectiveBcastSend' if rank == 0 else 'CollectiveBcastRecv'} <= kinds, kinds
+    assert {op.get_attr('communication_hint') for op in ops} == {hint.encode()}
+
+
+def test_the_batch_norm_backend_of_a_cluster_carries_the_hint(graph):
+    from tf1_syncbn import sync_batch_norm
+    jobs = [('worker', 0), ('worker', 1)]
+    cluster = dist.Cluster(None, tf1.ConfigProto(), ['localhost:1', 'localhost:2'], jobs, 0, 2,
+                           dist._tower_devices(jobs, 0, 2, 'CPU', False), 'CPU', 5.0, 1.0,
+                           communication_hint='ring')
+    x = tf1.placeholder(tf.float32, [4, 3])
+    outputs = call_for_each_tower(
+        lambda: sync_batch_norm(x, is_training=True, sync_statistics=cluster.backend()),
+        cluster.tower_devices)
+    tf.gradients(tf.add_n([tf.reduce_sum(y) for y in outputs]), x)
+    ops = [op for op in _collective_ops(graph) if op.type == 'CollectiveReduce']
+    assert len(ops) == 4                      # forward and backward, two towers
+    assert {op.get_attr('communication_hint') for op in ops} == {b'ring'}
+    assert {op.get_attr('group_size') for op in ops} == {4}   # 2 workers x 2 towers
+
+
+def test_cluster_checks_its_communication_hint():
+    with pytest.raises(ValueError, match="Cluster: communication_hint must be"):
+        dist.Cluster(None, tf1.ConfigProto(), [], [('worker', 0)], 0, 1, ['/device:CPU:0'],
+                     'CPU', 5.0, 1.0, communication_hint='NCCL')
+
+
+# --- WorkerSession start-up timeouts -----------------------------------------------------
+
+def _session_without_start(monkeypatch, rank, **kwargs):
+    """A WorkerSession of a 2-worker cluster, built but not started (no server needed)."""
+    monkeypatch.setattr(dist.WorkerSession, '_start', lambda self: None)
+    cluster = _fake_cluster(['localhost:1', 'localhost:2'], rank=rank)   # startup_timeout 0.5
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.get_variable('v', initializer=tf.constant([1.0, 2.0]))
+    return dist.WorkerSession(cluster, graph=graph, **kwargs), graph
+
+
+@pytest.mark.parametrize('rank, restore_timeout, expected', [
+    (0, 30.0, 0.5),            # the chief: only the start-up timeout
+    (1, 30.0, 30.5),           # the others wait for the chief's restore too
+    (1, None, 0.5 + dist.DEFAULT_RESTORE_TIMEOUT),
+    (1, 0, 0.5),
+])
+def test_the_other_workers_broadcast_waits_for_the_chiefs_restore(monkeypatch, rank,
+                                                                  restore_timeout, expected):
+    kwargs = {} if restore_timeout is None else {'restore_timeout': restore_timeout}
+    session, graph = _session_without_start(monkeypatch, rank, **kwargs)
+    try:
+        assert session.broadcast_timeout == expected
+        ops = [op for op in _collective_ops(graph) if op.type.startswith('CollectiveBcast')]
+        assert ops and {op.get_attr('timeout_seconds') for op in ops} == {expected}
+    finally:
+        session.close()
+
+
+def test_the_hang_watchdog_allows_for_the_restore(monkeypatch):
+    session, _ = _session_without_start(monkeypatch, 1, restore_timeout=100)
+    session.close()
+    assert session.hang_limit == 2 * 0.5 + 30 + 100
+    session, _ = _session_without_start(monkeypatch, 1, restore_timeout=100, hang_timeout=6)
+    session.close()
+    assert session.hang_limit == 106
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    (dict(restore_timeout=-1), 'WorkerSession: restore_timeout must be a finite number'),
+    (dict(restore_timeout=float('inf')), 'restore_timeout must be a finite'),
+    (dict(restore_timeout=float('nan')), 'restore_timeout must be a finite'),
+    (dict(restore_timeout='60'), 'restore_timeout must be a finite'),
+    (dict(hang_timeout=0), 'WorkerSession: hang_timeout must be a finite number of seconds > 0'),
+    (dict(hang_timeout=float('inf')), 'hang_timeout must be a finite'),
+])
+def test_worker_session_checks_its_timeouts(monkeypatch, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _session_without_start(monkeypatch, 1, **kwargs)
