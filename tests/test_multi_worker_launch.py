@@ -147,3 +147,61 @@ def test_bad_arguments():
         Launcher('python x.py', 2)
     with pytest.raises(ValueError, match='tasks'):
         Launcher(['x'], 2, tasks=[2])
+
+
+def test_a_worker_killed_by_a_signal_makes_the_launcher_exit_with_128_plus_it():
+    # Worker 1 kills itself with SIGUSR1 (default action: terminate); worker 0
+    # sleeps until the launcher stops it. The command-line launcher's status
+    # is the killed worker's: 128 + SIGUSR1.
+    worker = ('import json, os, signal, time\n'
+              'if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 1:\n'
+              '    os.kill(os.getpid(), signal.SIGUSR1)\n'
+              'time.sleep(300)\n')
+    proc = subprocess.run([sys.executable, LAUNCH, '--workers', '2', '--grace', '0.2',
+                           '--kill-after', '1', '--', sys.executable, '-c', worker],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 128 + signal.SIGUSR1, proc.stdout + proc.stderr
+    assert '[launcher] worker 1 killed by SIGUSR1' in proc.stdout, proc.stdout
+
+
+SHOW_GPUS = 'import os; print(os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))'
+
+
+@pytest.mark.parametrize('visible, expected', [
+    (None, ['0,1', '2,3', '4,5']),
+    ('7,5,3,1,0,2', ['7,5', '3,1', '0,2']),          # a slice of the launcher's own list
+])
+def test_gpus_per_worker_gives_each_worker_its_own_gpus(visible, expected):
+    env = {k: v for k, v in os.environ.items() if k != 'CUDA_VISIBLE_DEVICES'}
+    if visible is not None:
+        env['CUDA_VISIBLE_DEVICES'] = visible
+    launcher = Launcher([sys.executable, '-c', SHOW_GPUS], 3, env=env, output=None,
+                        gpus_per_worker=2)
+    assert launcher.start().wait(timeout=60) == 0
+    assert [lines[-1] for lines in launcher.lines] == expected
+    # Without the option, the workers inherit the launcher's environment as it is.
+    launcher = Launcher([sys.executable, '-c', SHOW_GPUS], 2, env=env, output=None)
+    assert launcher.start().wait(timeout=60) == 0
+    assert [lines[-1] for lines in launcher.lines] == [visible or 'unset'] * 2
+
+
+def test_gpus_per_worker_from_the_command_line():
+    env = {k: v for k, v in os.environ.items() if k != 'CUDA_VISIBLE_DEVICES'}
+    proc = subprocess.run([sys.executable, LAUNCH, '--workers', '2', '--gpus-per-worker', '3',
+                           '--', sys.executable, '-c', SHOW_GPUS],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert '[worker 0] 0,1,2' in proc.stdout and '[worker 1] 3,4,5' in proc.stdout, proc.stdout
+    env['CUDA_VISIBLE_DEVICES'] = '0,1,2'
+    proc = subprocess.run([sys.executable, LAUNCH, '--workers', '2', '--gpus-per-worker', '2',
+                           '--', sys.executable, '-c', SHOW_GPUS],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2
+    assert "need 4 GPUs, but CUDA_VISIBLE_DEVICES='0,1,2' lists 3" in proc.stderr, proc.stderr
+    assert '[worker' not in proc.stdout            # nothing was started
+
+
+def test_gpus_per_worker_must_be_a_positive_int():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match='gpus_per_worker must be a positive int'):
+            Launcher(['x'], 2, gpus_per_worker=bad)

@@ -10,6 +10,14 @@ Each worker gets a free localhost port and ``TF_CONFIG`` =
 and runs in its own process group. Its output is relayed line by line,
 prefixed with ``[worker i]``.
 
+With ``--gpus-per-worker K``, worker ``i`` also gets ``CUDA_VISIBLE_DEVICES``
+= GPUs ``i*K`` to ``i*K+K-1``, so that local workers never share a GPU
+(:func:`tf1_syncbn.distributed.setup_cluster` with ``device_type='GPU'`` then
+uses the first ``towers`` of them). When the launcher's own environment sets
+``CUDA_VISIBLE_DEVICES``, the workers split that list instead (positions
+``i*K`` to ``i*K+K-1`` of it), and a list too short for every worker is an
+error before any worker starts.
+
 When a worker exits with a non-zero status (or is killed), the others get
 ``grace`` seconds to fail on their own (they do within their collective
 timeout, and say which worker was lost); then every process group still alive
@@ -34,7 +42,7 @@ import sys
 import threading
 import time
 
-__all__ = ['Launcher', 'launch', 'free_ports', 'tf_config', 'main']
+__all__ = ['Launcher', 'launch', 'free_ports', 'tf_config', 'gpu_assignment', 'main']
 
 DEFAULT_GRACE = 30.0
 DEFAULT_KILL_AFTER = 5.0
@@ -59,6 +67,39 @@ def tf_config(addresses, index):
     """The ``TF_CONFIG`` string of worker ``index`` in a cluster of ``addresses``."""
     return json.dumps({'cluster': {'worker': list(addresses)},
                        'task': {'type': 'worker', 'index': index}})
+
+
+def gpu_assignment(num_workers, gpus_per_worker, visible=None):
+    """The ``CUDA_VISIBLE_DEVICES`` value of each of ``num_workers`` local workers.
+
+    Args:
+      num_workers: how many workers.
+      gpus_per_worker: GPUs per worker (``K``).
+      visible: the launcher's own ``CUDA_VISIBLE_DEVICES`` (None when unset):
+        worker ``i`` gets entries ``i*K`` to ``i*K+K-1`` of it; without it,
+        GPUs ``i*K`` to ``i*K+K-1``.
+
+    Returns:
+      A list of strings such as ``['0,1', '2,3']``.
+
+    Raises:
+      ValueError: ``gpus_per_worker`` not a positive int, or ``visible``
+        lists fewer than ``num_workers * gpus_per_worker`` GPUs.
+    """
+    k = gpus_per_worker
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError('Launcher: gpus_per_worker must be a positive int, got %r.' % (k,))
+    needed = num_workers * k
+    if visible is None:
+        ids = [str(i) for i in range(needed)]
+    else:
+        ids = [v.strip() for v in visible.split(',') if v.strip()]
+        if len(ids) < needed:
+            raise ValueError(
+                'Launcher: %d workers x %d GPUs per worker need %d GPUs, but '
+                'CUDA_VISIBLE_DEVICES=%r lists %d. Lower --gpus-per-worker or --workers, or '
+                'unset CUDA_VISIBLE_DEVICES.' % (num_workers, k, needed, visible, len(ids)))
+    return [','.join(ids[i * k:(i + 1) * k]) for i in range(num_workers)]
 
 
 def _status(code):
@@ -104,6 +145,10 @@ class Launcher(object):
       addresses: ``host:port`` of each worker; default: free localhost ports.
       tasks: the workers to start (default all); the others are expected to
         be started elsewhere (or, in tests, to be missing).
+      gpus_per_worker: None, or K: worker ``i`` (its task index) gets
+        ``CUDA_VISIBLE_DEVICES`` from :func:`gpu_assignment` (GPUs ``i*K`` to
+        ``i*K+K-1``, or that slice of the base environment's own
+        ``CUDA_VISIBLE_DEVICES``).
 
     Attributes:
       lines: per worker, every line it printed (stdout and stderr together).
@@ -114,7 +159,8 @@ class Launcher(object):
     """
 
     def __init__(self, argv, num_workers, env=None, cwd=None, grace=DEFAULT_GRACE,
-                 kill_after=DEFAULT_KILL_AFTER, output=sys.stdout, addresses=None, tasks=None):
+                 kill_after=DEFAULT_KILL_AFTER, output=sys.stdout, addresses=None, tasks=None,
+                 gpus_per_worker=None):
         if isinstance(argv, str) or not argv:
             raise ValueError('Launcher: argv must be a non-empty list of strings, got %r.'
                              % (argv,))
@@ -137,6 +183,10 @@ class Launcher(object):
         if not self.tasks or any(not 0 <= t < num_workers for t in self.tasks):
             raise ValueError('Launcher: tasks must be a non-empty list of indices in [0, %d), '
                              'got %r.' % (num_workers, tasks))
+        self.gpus = None
+        if gpus_per_worker is not None:
+            self.gpus = gpu_assignment(num_workers, gpus_per_worker,
+                                       self.env.get('CUDA_VISIBLE_DEVICES'))
         self.procs = []
         self.lines = [[] for _ in range(num_workers)]
         self.times = [[] for _ in range(num_workers)]
@@ -165,6 +215,8 @@ class Launcher(object):
         parent = os.getpid()
         for i in self.tasks:
             env = dict(self.env, TF_CONFIG=tf_config(self.addresses, i), PYTHONUNBUFFERED='1')
+            if self.gpus is not None:
+                env['CUDA_VISIBLE_DEVICES'] = self.gpus[i]
             preexec = _die_with_parent(parent) if sys.platform.startswith('linux') else None
             proc = subprocess.Popen(self.argv, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -173,7 +225,9 @@ class Launcher(object):
             reader = threading.Thread(target=self._relay, args=(i, proc), daemon=True)
             reader.start()
             self._readers.append(reader)
-            self.say('worker %d: pid %d, %s' % (i, proc.pid, self.addresses[i]))
+            self.say('worker %d: pid %d, %s%s' % (
+                i, proc.pid, self.addresses[i],
+                ', CUDA_VISIBLE_DEVICES=%s' % self.gpus[i] if self.gpus is not None else ''))
         return self
 
     def _relay(self, i, proc):
@@ -306,6 +360,9 @@ def main(argv=None):
     parser.add_argument('--kill-after', type=float, default=DEFAULT_KILL_AFTER,
                         help='seconds between SIGTERM and SIGKILL')
     parser.add_argument('--timeout', type=float, help='stop every worker after this many s')
+    parser.add_argument('--gpus-per-worker', type=int, metavar='K',
+                        help='give worker i the GPUs i*K..i*K+K-1 (CUDA_VISIBLE_DEVICES; a '
+                             'slice of the launcher\'s own CUDA_VISIBLE_DEVICES when set)')
     parser.add_argument('command', nargs=argparse.REMAINDER,
                         help='the worker command (after --)')
     args = parser.parse_args(argv)
@@ -314,8 +371,15 @@ def main(argv=None):
         parser.error('give the worker command after --')
     if args.workers < 1:
         parser.error('--workers must be at least 1')
+    if args.gpus_per_worker is not None:
+        try:
+            gpu_assignment(args.workers, args.gpus_per_worker,
+                           os.environ.get('CUDA_VISIBLE_DEVICES'))
+        except ValueError as e:
+            parser.error(str(e).replace('Launcher: ', '').replace('gpus_per_worker',
+                                                                 '--gpus-per-worker'))
     return launch(command, args.workers, timeout=args.timeout, grace=args.grace,
-                  kill_after=args.kill_after)
+                  kill_after=args.kill_after, gpus_per_worker=args.gpus_per_worker)
 
 
 if __name__ == '__main__':
