@@ -19,7 +19,15 @@ see exactly what 1 worker x 4 towers sees.
 Each worker prints ``step <s> ...`` lines and writes ``worker<rank>.npz`` to
 ``--out``: losses, every global variable at the end, and the trainable
 variables right after start-up (``start/<name>``) with the numpy initial
-values (``init/<name>``).
+values (``init/<name>``), and per step two more metrics of its own
+(``extra_local/<i>``: an int32 class count vector and a float64 fraction)
+with their :func:`average_across_workers` (``extra_mean/<i>``).
+
+``--checkpoint-dir`` may hold ``{rank}``, so that each worker has its own
+directory. ``--pause S --pause-after N`` makes worker ``--pause-rank`` sleep
+``S`` seconds between steps ``N`` and ``N + 1`` (as a long checkpoint save
+or evaluation would); ``--chief-start-delay S`` makes the chief's restore
+(or, with nothing to restore, its ``init_fn``) take ``S`` seconds longer.
 """
 
 import argparse
@@ -53,6 +61,11 @@ def parse_args(argv=None):
     p.add_argument('--startup-timeout', type=float, default=60.0)
     p.add_argument('--bucket-bytes', type=int, default=64)
     p.add_argument('--hang-timeout', type=float)
+    p.add_argument('--restore-timeout', type=float)
+    p.add_argument('--pause', type=float, default=0.0)
+    p.add_argument('--pause-after', type=int, default=0)
+    p.add_argument('--pause-rank', type=int, default=0)
+    p.add_argument('--chief-start-delay', type=float, default=0.0)
     return p.parse_args(argv)
 
 
@@ -111,8 +124,14 @@ def build(cluster, opts, init):
     with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
         train_op = opt.apply_gradients([r[1] for r in results], global_step=global_step)
     global_loss, = average_across_workers([local_loss], cluster)
+    # Two more metrics of this worker, of other dtypes and shapes, averaged in
+    # one packed all-reduce: the class counts of its batch and the fraction of
+    # its ids below 3.
+    extra_local = [tf.reduce_sum(tf.one_hot(labels, CLASSES, dtype=tf.int32), 0),
+                   tf.reduce_mean(tf.cast(ids < 3, tf.float64))]
+    extra_mean = average_across_workers(extra_local, cluster, name='extra')
     return dict(x=x, ids=ids, labels=labels, train_op=train_op, local_loss=local_loss,
-                global_loss=global_loss)
+                global_loss=global_loss, extra_local=extra_local, extra_mean=extra_mean)
 
 
 def train(opts, cluster):
@@ -125,10 +144,18 @@ def train(opts, cluster):
         net = build(cluster, opts, init)
         trainable = tf1.trainable_variables()
         variables = tf1.global_variables()
+        saver = init_fn = None
+        if opts.chief_start_delay:
+            saver = SlowSaver(opts.chief_start_delay, me='worker %d' % cluster.rank)
+            init_fn = saver.slow_init
     me = 'worker %d' % cluster.rank
+    checkpoint_dir = (opts.checkpoint_dir.format(rank=cluster.rank)
+                      if opts.checkpoint_dir else None)
     print('%s: graph built, starting the session' % me, flush=True)
-    session = WorkerSession(cluster, checkpoint_dir=opts.checkpoint_dir, graph=graph,
-                            hang_timeout=opts.hang_timeout)
+    kwargs = {} if opts.restore_timeout is None else {'restore_timeout': opts.restore_timeout}
+    session = WorkerSession(cluster, checkpoint_dir=checkpoint_dir, graph=graph,
+                            hang_timeout=opts.hang_timeout, saver=saver, init_fn=init_fn,
+                            **kwargs)
     print('%s: started at step %d%s' % (me, session.start_step,
                                        ' (restored %s)' % session.restored_from
                                        if session.restored_from else ''), flush=True)
@@ -139,14 +166,22 @@ def train(opts, cluster):
     rows = slice(cluster.rank * cluster.towers * opts.per_tower,
                  (cluster.rank + 1) * cluster.towers * opts.per_tower)
     steps, local_losses, global_losses = [], [], []
+    extra = {'extra_local/0': [], 'extra_local/1': [], 'extra_mean/0': [], 'extra_mean/1': []}
     for step in range(session.start_step, opts.steps):
         x, ids, labels = (a[rows] for a in global_batch(step, size))
-        local, glob, _ = session.run([net['local_loss'], net['global_loss'], net['train_op']],
-                                     {net['x']: x, net['ids']: ids, net['labels']: labels})
+        local, glob, extra_local, extra_mean, _ = session.run(
+            [net['local_loss'], net['global_loss'], net['extra_local'], net['extra_mean'],
+             net['train_op']], {net['x']: x, net['ids']: ids, net['labels']: labels})
         steps.append(step)
         local_losses.append(local)
         global_losses.append(glob)
+        for i in range(2):
+            extra['extra_local/%d' % i].append(extra_local[i])
+            extra['extra_mean/%d' % i].append(extra_mean[i])
         print('%s: step %d loss %.6f' % (me, step + 1, glob), flush=True)
+        if opts.pause and cluster.rank == opts.pause_rank and step + 1 == opts.pause_after:
+            print('%s: pausing %g s after step %d' % (me, opts.pause, step + 1), flush=True)
+            time.sleep(opts.pause)
         if opts.save_every and (step + 1) % opts.save_every == 0:
             path = session.save()
             if path:
@@ -156,11 +191,33 @@ def train(opts, cluster):
     results.update({v.op.name: val for v, val in zip(variables, session.session.run(variables))})
     results.update(steps=np.array(steps), local_loss=np.array(local_losses),
                    global_loss=np.array(global_losses), start_step=session.start_step)
+    results.update({k: np.array(v) for k, v in extra.items()})
     session.close()
     if opts.out:
         os.makedirs(opts.out, exist_ok=True)
         np.savez(os.path.join(opts.out, 'worker%d.npz' % cluster.rank), **results)
     return results
+
+
+class SlowSaver(tf1.train.Saver):
+    """A Saver whose restore (and the matching ``init_fn``) takes ``delay`` s longer."""
+
+    def __init__(self, delay, me):
+        super().__init__()
+        self.delay, self.me = delay, me
+
+    def _slow(self, what):
+        started = time.time()
+        time.sleep(self.delay)
+        print('%s: %s took %.1f s' % (self.me, what, time.time() - started), flush=True)
+
+    def restore(self, sess, save_path):
+        super().restore(sess, save_path)
+        self._slow('restore')
+
+    def slow_init(self, sess):
+        del sess
+        self._slow('init_fn')
 
 
 def main(argv=None):

@@ -5,10 +5,13 @@ dense and sparse gradients, momentum), started by :class:`tf1_syncbn.launch.Laun
 The reference is the same job on one worker with 4 towers, run in this
 process, whose gradients go through ``tower.average_gradients``.
 
-Five launches in all, shared between the checks through module fixtures:
-the uninterrupted run, the run whose worker 1 is killed, the run that resumes
-from the killed run's checkpoint, and (at the same time) two lone workers whose
-leader is missing or does not speak gRPC.
+Six launches in all, shared between the checks through module fixtures:
+the uninterrupted run (whose chief pauses between two steps for longer than
+the other run's collective timeout) and, at the same time, the same run with
+that shorter timeout; the run whose worker 1 is killed; the run that resumes
+from the killed run's checkpoint (with a chief whose restore takes longer than
+the start-up timeout); and (at the same time) two lone workers whose leader is
+missing or does not speak gRPC.
 """
 
 import os
@@ -29,11 +32,15 @@ STEPS = 6
 SAVE_EVERY = 3
 COLLECTIVE_TIMEOUT = 8.0
 META = ('steps', 'start_step', 'local_loss', 'global_loss')
+# The chief pauses PAUSE seconds after step PAUSE_AFTER (as a long save would).
+# The same run passes with a collective timeout above the pause and fails with
+# SHORT_TIMEOUT below it: the deadline covers the peers' time between steps.
+PAUSE, PAUSE_AFTER, SHORT_TIMEOUT, LONG_TIMEOUT = 6.0, 2, 3.0, 20.0
 
 
-def job_argv(*extra):
+def job_argv(*extra, timeout=COLLECTIVE_TIMEOUT):
     return [sys.executable, JOB, '--towers', '2', '--collective-timeout',
-            str(COLLECTIVE_TIMEOUT)] + [str(e) for e in extra]
+            str(timeout)] + [str(e) for e in extra]
 
 
 def job_env():
@@ -57,7 +64,16 @@ def load(out_dir, rank):
 
 
 def variable_names(results):
-    return sorted(k for k in results if k not in META and not k.startswith(('init/', 'start/')))
+    return sorted(k for k in results if k not in META and
+                  not k.startswith(('init/', 'start/', 'extra_')))
+
+
+def line_time(launcher, worker, marker):
+    """(arrival time, line) of the first line of ``worker`` containing ``marker``."""
+    found = [(t, line) for t, line in zip(launcher.times[worker], launcher.lines[worker])
+             if marker in line]
+    assert found, 'worker %d printed no %r:\n%s' % (worker, marker, output(launcher))
+    return found[0]
 
 
 def assert_no_process_left(launcher):
@@ -76,17 +92,37 @@ def reference():
 
 
 @pytest.fixture(scope='module')
-def uninterrupted(tmp_path_factory):
+def paused(tmp_path_factory):
+    """The chief pauses PAUSE s after step PAUSE_AFTER; two runs at the same time.
+
+    ``long``: collective timeout LONG_TIMEOUT > PAUSE, the uninterrupted run;
+    ``short``: SHORT_TIMEOUT < PAUSE.
+    """
     out = str(tmp_path_factory.mktemp('uninterrupted'))
-    launcher, status = run_job(['--steps', STEPS, '--differ-seeds', '--out', out])
-    assert status == 0, output(launcher)
-    return [load(out, 0), load(out, 1)]
+    pause = ['--pause', PAUSE, '--pause-after', PAUSE_AFTER]
+    launchers = {
+        'short': Launcher(job_argv('--steps', STEPS, *pause, timeout=SHORT_TIMEOUT), 2,
+                          env=job_env(), output=None, grace=3),
+        'long': Launcher(job_argv('--steps', STEPS, '--differ-seeds', '--out', out, *pause,
+                                  timeout=LONG_TIMEOUT), 2, env=job_env(), output=None)}
+    for launcher in launchers.values():
+        launcher.start()
+    statuses = {name: launchers[name].wait(timeout=240) for name in ('short', 'long')}
+    return dict(launchers=launchers, statuses=statuses, out=out)
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(paused):
+    launcher = paused['launchers']['long']
+    assert paused['statuses']['long'] == 0, output(launcher)
+    return [load(paused['out'], 0), load(paused['out'], 1)]
 
 
 @pytest.fixture(scope='module')
 def killed(tmp_path_factory):
     """Worker 1 is killed with SIGKILL after the chief's first checkpoint."""
-    ckpt = str(tmp_path_factory.mktemp('killed'))
+    # Each worker gets its own checkpoint directory: only the chief's may fill.
+    ckpt = os.path.join(str(tmp_path_factory.mktemp('killed')), 'ckpt{rank}')
     launcher = Launcher(job_argv('--steps', 1000, '--save-every', SAVE_EVERY, '--step-delay', 0.3,
                                  '--differ-seeds', '--checkpoint-dir', ckpt),
                         2, env=job_env(), output=None, grace=60).start()
@@ -119,6 +155,46 @@ def test_two_workers_of_two_towers_equal_one_worker_of_four_towers(reference, un
         np.testing.assert_array_equal(uninterrupted[0][name], uninterrupted[1][name], err_msg=name)
 
 
+def test_average_across_workers_is_the_mean_over_workers(uninterrupted):
+    first, second = uninterrupted
+    np.testing.assert_allclose(first['global_loss'], (first['local_loss'] + second['local_loss'])
+                               / 2.0, rtol=1e-6)
+    for i, shape in enumerate([(STEPS, 3), (STEPS,)]):
+        mine = [w['extra_local/%d' % i].astype(np.float64) for w in uninterrupted]
+        assert mine[0].shape == shape
+        assert not np.array_equal(mine[0], mine[1])      # the workers' values differ
+        expected = (mine[0] + mine[1]) / 2.0
+        for rank, result in enumerate(uninterrupted):
+            got = result['extra_mean/%d' % i]
+            assert got.dtype == np.float32 and got.shape == shape
+            np.testing.assert_allclose(got, expected, rtol=1e-6, err_msg='worker %d' % rank)
+
+
+def test_the_step_deadline_covers_a_peers_pause_between_steps(paused):
+    # Short timeout: worker 1's step after the pause waits for the paused chief
+    # and fails once it has lasted SHORT_TIMEOUT s, while the chief still sleeps.
+    short = paused['launchers']['short']
+    text = output(short)
+    assert paused['statuses']['short'] == 1, text
+    assert short.failed == (1, 1), text
+    paused_at, _ = line_time(short, 0, 'pausing %g s after step %d' % (PAUSE, PAUSE_AFTER))
+    line_time(short, 1, 'step %d loss' % PAUSE_AFTER)          # the steps before it passed
+    failed_at, error = line_time(short, 1, 'ERROR')
+    assert 'a worker was lost during training' in error, text
+    assert 'every peer still accepts connections' in error, text
+    assert 'spent longer between two steps (saving, evaluating) than the collective timeout ' \
+           'of %g s allows' % SHORT_TIMEOUT in error, text
+    assert failed_at - paused_at > SHORT_TIMEOUT - 0.5, text
+    assert not any('step %d loss' % (PAUSE_AFTER + 1) in line for line in short.lines[1]), text
+    # Long timeout: the same run passes (status 0, checked by `uninterrupted`),
+    # and worker 1's step after the pause lasted longer than the short timeout.
+    long = paused['launchers']['long']
+    assert paused['statuses']['long'] == 0, output(long)
+    before, _ = line_time(long, 1, 'step %d loss' % PAUSE_AFTER)
+    after, _ = line_time(long, 1, 'step %d loss' % (PAUSE_AFTER + 1))
+    assert after - before > PAUSE - 0.5 > SHORT_TIMEOUT, output(long)
+
+
 def test_broadcast_makes_differently_seeded_workers_identical(uninterrupted):
     first, second = uninterrupted
     inits = [k[len('init/'):] for k in first if k.startswith('init/')]
@@ -148,16 +224,28 @@ def test_a_killed_worker_fails_the_others_within_the_timeout_and_nothing_is_left
 def test_resume_from_the_chiefs_checkpoint_equals_the_uninterrupted_run(killed, uninterrupted,
                                                                         tmp_path):
     ckpt = killed['checkpoint_dir']
-    saved = tf.train.latest_checkpoint(ckpt)
+    chief_dir, other_dir = ckpt.format(rank=0), ckpt.format(rank=1)
+    saved = tf.train.latest_checkpoint(chief_dir)
     step = int(saved.rsplit('-', 1)[1])
     assert SAVE_EVERY <= step < STEPS, saved
-    # Only the chief wrote.
-    assert all(name.startswith(('model.ckpt', 'checkpoint')) for name in os.listdir(ckpt))
+    # Only the chief wrote, into its own directory; worker 1's was never created.
+    assert all(name.startswith(('model.ckpt', 'checkpoint')) for name in os.listdir(chief_dir))
+    assert not os.path.exists(other_dir)
+    # The chief's restore takes longer than the start-up timeout: worker 1
+    # waits for it in the start-up broadcast (startup_timeout + restore_timeout).
     out = str(tmp_path)
+    startup, delay = 3.0, 6.0
     launcher, status = run_job(['--steps', STEPS, '--differ-seeds', '--checkpoint-dir', ckpt,
-                                '--out', out])
-    assert status == 0, output(launcher)
-    assert any('restored' in line for line in launcher.lines[0]), output(launcher)
+                                '--out', out, '--startup-timeout', startup,
+                                '--chief-start-delay', delay])
+    text = output(launcher)
+    assert status == 0, text
+    assert any('restored' in line for line in launcher.lines[0]), text
+    line_time(launcher, 0, 'restore took')
+    waiting, _ = line_time(launcher, 1, 'starting the session')
+    started, _ = line_time(launcher, 1, 'started at step %d' % step)
+    assert started - waiting > startup, text
+    assert not os.path.exists(other_dir)
     for rank in range(2):
         resumed = load(out, rank)
         assert int(resumed['start_step']) == step
@@ -189,8 +277,11 @@ def startup_failures():
         launchers = {
             'missing': Launcher(job_argv('--startup-timeout', STARTUP_TIMEOUT), 2,
                                 env=job_env(), output=None, tasks=[1]),
+            # The watchdog's limit: hang_timeout + restore_timeout = HANG_TIMEOUT.
             'mute': Launcher(job_argv('--startup-timeout', STARTUP_TIMEOUT, '--hang-timeout',
-                                      HANG_TIMEOUT), 2, env=job_env(), output=None, tasks=[1],
+                                      HANG_TIMEOUT - 2, '--restore-timeout', 2), 2,
+                             env=job_env(),
+                             output=None, tasks=[1],
                              addresses=['localhost:%d' % mute.getsockname()[1],
                                         'localhost:%d' % free_ports(1)[0]])}
         for launcher in launchers.values():
