@@ -40,7 +40,12 @@ inference path (``is_training=False``: moving statistics). Every
 checkpoint (all variables, optimizer slots and the step) into
 ``--out-dir/<run>/``; ``--resume`` continues both runs from there (the chief
 restores, the broadcast carries the values to the others) and, since data
-follow the step, continues as the uninterrupted run would. At the end, the
+follow the step, continues as the uninterrupted run would. When
+``--out-dir`` holds an earlier run, the job refuses to start (exit status 2)
+unless ``--resume`` (continue it) or ``--overwrite`` (delete its checkpoints,
+history, initial weights and metrics, and start afresh) is given; with both,
+``--resume`` wins. ``history.json`` and ``metrics.json`` are written
+atomically (a temporary file, then ``os.replace``). At the end, the
 chief restores each model into a single-tower inference graph and scores it,
 writes ``metrics.json`` (per-step losses and held-out accuracy of ``sync`` and
 ``per_tower``) and a plot into ``--out-dir`` (``--update-docs`` also copies
@@ -52,13 +57,14 @@ statistics are far from the moving statistics used at inference) while
 SyncBN, with 8-example statistics, reaches ~99%.
 
 The job exits with status 1 when the SyncBN model's held-out accuracy is
-below ``--min-accuracy`` (default 0.95), or when a worker fails.
+below ``--min-accuracy`` (default 0.95), or when a worker fails; with status
+2 on a command-line error or when it refuses to replace an earlier run.
 
 Usage::
 
     python examples/train_multitower.py [--towers 4] [--batch-per-tower 2]
         [--steps 900] [--backend auto|collective|none] [--out-dir demo_out/]
-        [--seed 0] [--min-accuracy 0.95] [--workers 1] [--resume]
+        [--seed 0] [--min-accuracy 0.95] [--workers 1] [--resume | --overwrite]
     python examples/train_multitower.py --hosts h0:2222,h1:2222 --task 0 --towers 2
 """
 
@@ -67,6 +73,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -122,6 +129,10 @@ def parse_args(argv=None):
                              'end only)')
     parser.add_argument('--resume', action='store_true',
                         help='continue both runs from the checkpoints in --out-dir')
+    parser.add_argument('--overwrite', action='store_true',
+                        help='delete an earlier run in --out-dir (checkpoints, history, initial '
+                             'weights, metrics) and start afresh; without it or --resume, the '
+                             'job refuses to start when --out-dir holds an earlier run')
     parser.add_argument('--min-accuracy', type=float, default=0.95,
                         help='fail (exit 1) when the SyncBN model scores below this')
     parser.add_argument('--update-docs', action='store_true',
@@ -287,13 +298,68 @@ def _history_until(history, step):
     return out
 
 
+def _is_run_state(name):
+    return name == 'checkpoint' or name.startswith('model.ckpt') or name == 'history.json'
+
+
+def earlier_run(out_dir):
+    """The files of an earlier run in ``out_dir`` (checkpoints, history, initial weights, metrics)."""
+    found = [os.path.join(out_dir, name) for name in ('metrics.json', 'initial_weights.npz')
+             if os.path.exists(os.path.join(out_dir, name))]
+    for run in RUNS:
+        run_dir = os.path.join(out_dir, run)
+        if os.path.isdir(run_dir):
+            found += sorted(os.path.join(run_dir, name) for name in os.listdir(run_dir)
+                            if _is_run_state(name))
+    return found
+
+
+def refusal(args):
+    """The message refusing to replace an earlier run in --out-dir, or None."""
+    if args.resume or args.overwrite:
+        return None
+    out_dir = os.path.abspath(args.out_dir)
+    found = earlier_run(out_dir)
+    if not found:
+        return None
+    return ('%s holds an earlier run (%s%s). Pass --resume to continue it, or --overwrite to '
+            'delete it and start afresh (or choose another --out-dir).'
+            % (out_dir, ', '.join(os.path.relpath(f, out_dir) for f in found[:4]),
+               ', ...' if len(found) > 4 else ''))
+
+
 def clear_checkpoints(run_dir):
-    """Removes an earlier run's checkpoints and history (the chief, before a fresh run)."""
+    """Removes an earlier run's checkpoints and history (the chief, with --overwrite)."""
     if not os.path.isdir(run_dir):
         return
     for name in os.listdir(run_dir):
-        if name == 'checkpoint' or name.startswith('model.ckpt') or name == 'history.json':
+        if _is_run_state(name):
             os.remove(os.path.join(run_dir, name))
+
+
+def _atomic_write(path, write, mode='w'):
+    """Writes ``path`` through ``write(file)`` into a temporary file, then ``os.replace``.
+
+    A failure (or a kill) part-way leaves the previous ``path`` as it was.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix='.%s.' % os.path.basename(path),
+                               suffix='.tmp')
+    try:
+        with os.fdopen(fd, mode) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def write_json(path, value, **kwargs):
+    """``json.dump(value)`` into ``path``, atomically (see :func:`_atomic_write`)."""
+    _atomic_write(path, lambda f: json.dump(value, f, **kwargs))
 
 
 def train(name, args, sync_statistics, data, run_dir, cluster, initial_values=None):
@@ -309,7 +375,7 @@ def train(name, args, sync_statistics, data, run_dir, cluster, initial_values=No
     if chief:
         os.makedirs(run_dir, exist_ok=True)
         if not args.resume:
-            clear_checkpoints(run_dir)
+            clear_checkpoints(run_dir)      # main() refused unless --overwrite was given
     history_path = os.path.join(run_dir, 'history.json')
     global_batch = cluster.num_towers * args.batch_per_tower
     local = slice(cluster.rank * cluster.towers * args.batch_per_tower,
@@ -343,11 +409,12 @@ def train(name, args, sync_statistics, data, run_dir, cluster, initial_values=No
         return float(np.mean(predictions == y_test)), float(eval_loss)
 
     def save(step):
-        path = session.save()
-        if path:
-            with open(history_path, 'w') as f:
-                json.dump(history, f)
-        return path
+        # History first: a crash between the two writes then leaves the history
+        # ahead of the last checkpoint, and a resume truncates it to the
+        # restored step (_history_until); the other order would lose steps.
+        if chief:
+            write_json(history_path, history)
+        return session.save()
 
     bar = None
     if cluster.num_workers == 1 and not cluster.server:
@@ -476,6 +543,10 @@ def run_worker(args, cluster):
     chief = cluster.is_chief
     if chief:
         os.makedirs(out_dir, exist_ok=True)
+        if not args.resume:
+            for name in ('metrics.json', 'initial_weights.npz'):
+                if os.path.exists(os.path.join(out_dir, name)):
+                    os.remove(os.path.join(out_dir, name))
     data = load_data(args.seed)
     global_batch = cluster.num_towers * args.batch_per_tower
     me = cluster.describe(cluster.rank) if cluster.num_workers > 1 else None
@@ -497,7 +568,7 @@ def run_worker(args, cluster):
         history, checkpoints[name], values, local_accuracy = train(
             name, args, spec, data, run_dir, cluster, initial_values)
         if chief and initial_values is None and values is not None:
-            np.savez(initial_path, **values)
+            _atomic_write(initial_path, lambda f, v=values: np.savez(f, **v), mode='wb')
         initial_values = values if values is not None else initial_values
         histories[name] = history
         if chief and checkpoints[name]:
@@ -527,8 +598,7 @@ def run_worker(args, cluster):
                             'seconds': histories[name]['seconds'],
                             'checkpoint': checkpoints[name]} for name in RUNS}}
         metrics_path = os.path.join(out_dir, 'metrics.json')
-        with open(metrics_path, 'w') as f:
-            json.dump(metrics, f, indent=1)
+        write_json(metrics_path, metrics, indent=1)
         plot_path = os.path.join(out_dir, 'syncbn_vs_per_tower.png')
         plot(histories, args, global_batch, plot_path)
         print()
@@ -594,11 +664,35 @@ def _tf_config_cluster():
         return True     # malformed: let TensorFlow's resolver say what is wrong
 
 
+def _will_be_chief(args):
+    """Whether this process will be worker 0 (the one that writes into --out-dir)."""
+    if args.task is not None:
+        return args.task == 0
+    try:
+        config = json.loads(os.environ.get('TF_CONFIG') or '{}')
+        if not config.get('cluster'):
+            return True
+        task = config.get('task', {})
+        chief_type = 'chief' if config['cluster'].get('chief') else 'worker'
+        return task.get('type') == chief_type and int(task.get('index', 0)) == 0
+    except (ValueError, TypeError, AttributeError):
+        return False        # malformed: setup_cluster says what is wrong
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     tf1.disable_eager_execution()
     worker_mode = args.task is not None or _tf_config_cluster()
+    # Before anything starts: never delete an earlier run's checkpoints
+    # because --resume was forgotten.
+    message = refusal(args) if _will_be_chief(args) else None
+    if message:
+        sys.stderr.write('%s: error: %s\n' % (os.path.basename(__file__), message))
+        sys.stderr.flush()
+        if worker_mode:
+            hard_exit(2)
+        return 2
     if args.workers > 1 and not worker_mode:
         return launch_workers(args, argv)
     try:
