@@ -41,3 +41,19 @@ def kernel_impl(request):
         if request.param == 'custom':
             assert kernels.load() is not None, kernels.status()
         yield request.param
+
+
+@pytest.fixture(scope='session', autouse=True)
+def _stock_child_checks():
+    """In a child run of ``without_onednn``: oneDNN is off and the custom kernels disabled.
+
+    So that a child that inherited the wrong environment fails instead of
+    passing on the configuration it was meant to avoid.
+    """
+    from without_onednn import in_child  # noqa: PLC0415
+    if in_child():
+        from tensorflow.python.util import _pywrap_util_port  # noqa: PLC0415
+        from tf1_syncbn import kernels  # noqa: PLC0415
+        assert not _pywrap_util_port.IsMklEnabled(), 'oneDNN is on in the stock child run'
+        assert not kernels.enabled(), 'the custom kernels are enabled in the stock child run'
+    yield

@@ -1,0 +1,116 @@
+"""Runs a test module's stock-kernel cases in a child pytest with oneDNN off.
+
+On CPU, TensorFlow's oneDNN graph rewrites replace some stock ops (fused
+batch norm and its gradient among them) with oneDNN kernels that accept what
+the plain kernels reject (for example ``FusedBatchNormGrad`` with
+``is_training=False`` on NCHW). GPU towers run the stock kernel set on
+TensorFlow's plain kernels, so the closest CPU stand-in for them is
+``TF_ENABLE_ONEDNN_OPTS=0 TF1_SYNCBN_KERNELS=0``. Both are read at process
+start, hence the child process.
+
+:func:`run_stock_cases_without_onednn` runs the tests of one module whose ids
+contain ``stock`` (the ``kernel_impl`` fixture's stock parameter) in a child
+pytest with those variables, reads its JUnit XML and fails naming every
+failing case with its error. The child checks that oneDNN is really off and
+that the custom kernels are disabled (``conftest.py``), and the parent checks
+that the expected number of cases ran, so that it cannot pass by running
+nothing.
+"""
+
+import collections
+import os
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: Set in the child: conftest.py then checks oneDNN and the kernel set.
+CHILD_MARKER = 'TF1_SYNCBN_TEST_STOCK_CHILD'
+CHILD_ENV = {'TF_ENABLE_ONEDNN_OPTS': '0', 'TF1_SYNCBN_KERNELS': '0', CHILD_MARKER: '1'}
+
+#: The name every parent test carries; the child deselects it.
+PARENT_TEST_WORD = 'without_onednn'
+
+
+def in_child():
+    return os.environ.get(CHILD_MARKER) == '1'
+
+
+def _cases(xml_path):
+    """``[(test id, outcome, error text)]`` from a JUnit XML report."""
+    cases = []
+    for case in ElementTree.parse(xml_path).getroot().iter('testcase'):
+        name = case.get('name')
+        outcome, text = 'passed', ''
+        for tag in ('failure', 'error', 'skipped'):
+            node = case.find(tag)
+            if node is not None:
+                outcome = tag
+                text = '%s\n%s' % (node.get('message') or '', node.text or '')
+                break
+        cases.append((name, outcome, text))
+    return cases
+
+
+_TELLING = re.compile(r'Error|[A-Z]{4,}_?[A-Z]*: |Mismatch|Max (absolute|relative)|Not equal|'
+                      r'tower\(s\)|assert ')
+
+
+def _short(text, limit=1200):
+    """What names the problem: the error lines of a report, without the tracebacks.
+
+    TensorFlow's errors carry long "defined at" tracebacks before the line
+    that says what went wrong (``INVALID_ARGUMENT: ...``); assertion errors
+    say which array differs and by how much.
+    """
+    seen, keep = set(), []
+    for line in text.splitlines():
+        line = re.sub(r'^(E\s+)?(\(\d+\) )?', '', line.strip()).strip()
+        if line and _TELLING.search(line) and 'File "' not in line and line not in seen:
+            seen.add(line)
+            keep.append(line)
+    if not keep:
+        keep = [line for line in text.splitlines() if line.strip()][-12:]
+    return '\n'.join('    ' + line for line in keep[:10])[:limit]
+
+
+def run_stock_cases_without_onednn(module, tmp_path, expected, extra_env=None, timeout=600,
+                                   keyword='stock'):
+    """Runs ``module``'s ``keyword`` cases with oneDNN off and the stock kernels; asserts all pass.
+
+    Args:
+      module: the test module's file (``__file__``).
+      tmp_path: a directory for the report.
+      expected: how many cases must run (the module's own count of them).
+      extra_env: more environment variables for the child (reference results).
+      timeout: seconds for the whole child run.
+      keyword: the ``-k`` expression that selects the cases.
+    """
+    report = os.path.join(str(tmp_path), 'stock_without_onednn.xml')
+    command = [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '--tb=short',
+               '-k', '(%s) and not %s' % (keyword, PARENT_TEST_WORD),
+               '--junitxml', report, os.path.relpath(module, ROOT)]
+    env = dict(os.environ, **CHILD_ENV)
+    env.update(extra_env or {})
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    if not os.path.exists(report):
+        raise AssertionError('the child pytest wrote no report (exit status %d):\n%s\n%s'
+                             % (proc.returncode, proc.stdout[-4000:], proc.stderr[-4000:]))
+    cases = _cases(report)
+    bad = [(name, outcome, text) for name, outcome, text in cases if outcome != 'passed']
+    summary = '%d of %d case(s) of %s fail with TF_ENABLE_ONEDNN_OPTS=0 TF1_SYNCBN_KERNELS=0' % (
+        len(bad), len(cases), os.path.basename(module))
+    by_error = collections.OrderedDict()   # cases that fail the same way, together
+    for name, outcome, text in bad:
+        by_error.setdefault('%s:\n%s' % (outcome, _short(text)), []).append(name)
+    details = '\n\n'.join('%s\n  %s' % ('\n'.join('  ' + n for n in names), error)
+                          for error, names in by_error.items())
+    assert not bad, '%s:\n\n%s' % (summary, details)
+    assert len(cases) == expected, (
+        'expected %d stock-kernel cases of %s, the child ran %d: %s\n%s'
+        % (expected, os.path.basename(module), len(cases), [c[0] for c in cases],
+           proc.stdout[-3000:]))
+    return cases
