@@ -19,6 +19,8 @@ subprocess with legacy Keras (``legacy_reference.py``), through the same
 
 import functools
 import json
+import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -26,6 +28,7 @@ import tensorflow as tf
 
 from legacy_reference import run_reference
 from parity_harness import DEFAULT_SIZES, assert_same_numbers, train_case
+from without_onednn import run_stock_cases_without_onednn
 from tf1_syncbn import CollectiveBackend, sync_batch_norm
 
 tf1 = tf.compat.v1
@@ -50,6 +53,8 @@ def slim_apply(layer, case, x, weights, training, tower, towers):
         kwargs['adjustment'] = adjustment
     if 'updates_collections' in case:
         kwargs['updates_collections'] = case['updates_collections']
+    if case.get('zero_moving_variance'):
+        kwargs['param_initializers'] = {'moving_variance': tf1.zeros_initializer()}
     partitioner = None
     if case.get('partitions'):
         partitioner = tf1.fixed_size_partitioner(case['partitions'])
@@ -150,9 +155,36 @@ CASES += [
     _case('decay=0.999-rank5-updates=None', 5, kwargs={'decay': 0.999}, loc=3.0, scale=1.0,
           updates_collections=None, tight=True),
     # A tiny variance with a tiny epsilon (TensorFlow 2.21's fused kernel takes
-    # epsilon as given, as the non-fused path does).
-    _case('tiny_variance-rank4', kwargs={'epsilon': 1e-6}, loc=0.0, scale=1e-3),
-    _case('tiny_variance-rank3', 3, kwargs={'epsilon': 1e-6}, loc=0.0, scale=1e-3),
+    # epsilon as given, as the non-fused path does). The moving variance starts
+    # at 0: from 1, a variance of ~1e-6 would move it by a few float32 ulps of
+    # 1 and nothing about it could be checked. With tolerances relative to the
+    # data's scale (parity_harness.magnitude), see
+    # test_tiny_variance_cases_reject_a_wrong_answer.
+    _case('tiny_variance-rank4', kwargs={'epsilon': 1e-6}, loc=0.0, scale=1e-3,
+          zero_moving_variance=True),
+    _case('tiny_variance-rank3', 3, kwargs={'epsilon': 1e-6}, loc=0.0, scale=1e-3,
+          zero_moving_variance=True),
+    # The README: "... in float16/bfloat16 as in float32, and for inputs whose
+    # mean is 10^4 times their spread", on every path of slim's.
+    _case('float16-rank4', dtype='float16'),
+    _case('float16-rank4-NCHW', 4, 'NCHW', dtype='float16'),
+    _case('float16-rank2', 2, dtype='float16'),
+    _case('float16-rank3', 3, dtype='float16'),
+    _case('float16-rank5', 5, dtype='float16'),
+    _case('float16-rank4-fused=False', kwargs={'fused': False}, dtype='float16'),
+    _case('bfloat16-rank4', dtype='bfloat16'),
+    _case('bfloat16-rank4-NCHW', 4, 'NCHW', dtype='bfloat16'),
+    _case('bfloat16-rank2', 2, dtype='bfloat16'),
+    _case('bfloat16-rank3', 3, dtype='bfloat16'),
+    _case('bfloat16-rank5', 5, dtype='bfloat16'),
+    _case('bfloat16-rank4-fused=False', kwargs={'fused': False}, dtype='bfloat16'),
+    _case('mean1e4-rank4', loc=1e4, scale=1.0),
+    _case('mean1e4-rank4-NCHW', 4, 'NCHW', loc=1e4, scale=1.0),
+    _case('mean1e4-rank2', 2, loc=1e4, scale=1.0),
+    _case('mean1e4-rank3', 3, loc=1e4, scale=1.0),
+    _case('mean1e4-rank5', 5, loc=1e4, scale=1.0),
+    _case('mean1e4-rank4-fused=False', kwargs={'fused': False}, loc=1e4, scale=1.0),
+    _case('mean1e4-batch_weights-rank4', batch_weights=True, loc=1e4, scale=1.0),
     # is_training as a tensor; center/scale off.
     _case('training_tensor-rank4', training_tensor=True),
     # (slim's Keras non-fused path wraps each update in its own tf.cond, named
@@ -164,12 +196,30 @@ NAMES = [c['name'] for c in CASES]
 assert len(set(NAMES)) == len(NAMES)
 
 
+#: Where a child run (without_onednn) finds this module's reference results.
+REFERENCE_DIR_VARIABLE = 'TF1_SYNCBN_TEST_SLIM_PARITY_REFERENCE'
+
+
 @pytest.fixture(scope='module')
-def slim_results(tmp_path_factory):
-    """Runs every case with tf-slim itself, in one subprocess."""
+def slim_reference_dir(tmp_path_factory):
+    """Runs every case with tf-slim itself, in one subprocess; returns its directory.
+
+    A child run of this module (``test_stock_kernels_without_onednn``) reuses
+    its parent's results instead of running tf-slim again.
+    """
+    if os.environ.get(REFERENCE_DIR_VARIABLE):
+        return pathlib.Path(os.environ[REFERENCE_DIR_VARIABLE])
     tmp = tmp_path_factory.mktemp('slim_parity')
     (tmp / 'cases.json').write_text(json.dumps(CASES))
     run_reference(REFERENCE_SCRIPT, tmp, args=[str(tmp / 'cases.json')], timeout=600)
+    return tmp
+
+
+@pytest.fixture(scope='module')
+def slim_results(slim_reference_dir):
+    """Every case's reference arrays and graph info, as tf-slim computed them."""
+    tmp = slim_reference_dir
+    assert json.loads((tmp / 'cases.json').read_text()) == json.loads(json.dumps(CASES))
     arrays = np.load(tmp / 'slim_parity.npz')
     infos = json.loads((tmp / 'slim_parity.json').read_text())
     results = [({}, info) for info in infos]
@@ -186,13 +236,16 @@ def _reference(slim_results, case):
     return ref, info
 
 
-def _ours(case, sizes):
+def _ours(case, sizes, kernel_impl=None):
     towers = len(sizes)
     layer = sync_batch_norm
     if towers > 1:
         layer = functools.partial(sync_batch_norm, sync_statistics=CollectiveBackend(timeout=60))
-    return train_case(lambda *args: slim_apply(layer, case, *args), case, CASES.index(case),
-                      sizes)
+    ours, info = train_case(lambda *args: slim_apply(layer, case, *args), case,
+                            CASES.index(case), sizes)
+    if kernel_impl == 'stock':   # (the compiled set's slow paths use stock ops too)
+        assert info['kernel_ops'] == 0, 'the stock kernel set used the compiled kernels'
+    return ours, info
 
 
 @pytest.mark.parametrize('case', CASES, ids=NAMES)
@@ -211,10 +264,11 @@ def test_one_tower_is_slim(slim_results, case):
 
 
 @pytest.mark.parametrize('case', CASES, ids=NAMES)
-def test_towers_are_slim_on_the_concatenated_batch(slim_results, case):
+def test_towers_are_slim_on_the_concatenated_batch(slim_results, case, kernel_impl):
+    """Both kernel sets (one tower does not synchronize: its test runs once)."""
     ref, ref_info = _reference(slim_results, case)
     sizes = case.get('sizes', DEFAULT_SIZES)
-    ours, info = _ours(case, sizes)
+    ours, info = _ours(case, sizes, kernel_impl)
     assert_same_numbers(ours, ref, case, len(sizes))
     assert info['global_variables'] == ref_info['global_variables']
     assert info['model_variables'] == ref_info['model_variables']
@@ -246,3 +300,33 @@ def test_the_variance_convention_is_exercised(slim_results):
         'fused=None-rank4-NHWC': 'unbiased', 'fused=None-rank2-NHWC': 'unbiased',
         'fused=None-rank5-NCHW': 'unbiased', 'fused=None-rank3-NHWC': 'biased',
         'updates=None-rank5': 'biased', 'fused=False-rank2-NHWC': 'biased'}
+
+
+def test_stock_kernels_without_onednn(slim_reference_dir, tmp_path):
+    """Every multi-tower case on the stock kernels with oneDNN off (GPU towers' kernel set).
+
+    In a child pytest (``without_onednn``), with tf-slim's results of this run.
+    """
+    run_stock_cases_without_onednn(__file__, tmp_path, expected=len(CASES),
+                                   extra_env={REFERENCE_DIR_VARIABLE: str(slim_reference_dir)})
+
+
+@pytest.mark.parametrize('name', ['tiny_variance-rank4', 'tiny_variance-rank3'])
+def test_tiny_variance_cases_reject_a_wrong_answer(slim_results, name):
+    """The tiny-variance comparisons mean something: wrong answers fail them.
+
+    Data of spread 1e-3: batch variances ~1e-6, moving means ~1e-4, a moving
+    variance (from 0) ~1e-6. With ``atol`` relative to max(|value|, 1), as it
+    was, a moving variance off by the Bessel factor (1/47 of ~1e-6, the biased
+    instead of the unbiased variance) or a moving mean off by 1% passed,
+    since both differences are far below ``1e-6 * 1``. Relative to the data's
+    scale they fail; the reference itself passes.
+    """
+    case = CASES[NAMES.index(name)]
+    ref, _ = _reference(slim_results, case)
+    assert_same_numbers(dict(ref), ref, case, 1)
+    for pattern, factor in (('moving_variance', 46.0 / 47.0), ('moving_mean', 1.01)):
+        wrong = {k: v * factor if pattern in k else v for k, v in ref.items()}
+        assert any(pattern in k for k in ref)
+        with pytest.raises(AssertionError, match=pattern):
+            assert_same_numbers(wrong, ref, case, 1)

@@ -17,6 +17,8 @@ one subprocess with legacy Keras, through the same ``parity_harness.train_case``
 """
 
 import json
+import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -28,6 +30,7 @@ from legacy_reference import run_reference
 from parity_harness import DEFAULT_SIZES, assert_same_numbers, train_case
 import tf1_syncbn
 from tf1_syncbn import BatchNorm, CollectiveBackend
+from without_onednn import run_stock_cases_without_onednn
 
 tf1 = tf.compat.v1
 
@@ -39,8 +42,6 @@ def tensorpack_apply(layers, case, x, training, tower, renorm_takes_training=Fal
     """
     kwargs = dict(case['kwargs'])
     kwargs.update(extra)
-    if case.get('float16'):
-        x = tf.cast(x, tf.float16)
     with tf1.variable_scope('net', reuse=True if tower is None else None):
         if case.get('layer') == 'BatchRenorm':
             # tensorpack passes gamma_initializer=None on to tf.layers, whose
@@ -101,8 +102,25 @@ CASES = [
     _case('4d-channels_first', [8, 3, 3, 2], kwargs={'data_format': 'channels_first'}),
     _case('4d-axis=1', [8, 3, 3, 2], kwargs={'axis': 1, 'momentum': 0.7}),
     _case('4d-ema-internal', [8, 3, 2, 3], kwargs={'ema_update': 'internal'}),
-    _case('4d-tiny-variance', [8, 3, 2, 3], loc=0.0, scale=1e-3),
-    _case('4d-float16', [8, 3, 2, 3], float16=True, tolerance=100.0),
+    # A tiny variance (spread 1e-3) with momentum 0, so that the EMAs hold the
+    # batch statistics themselves: from 1 with momentum 0.9, a variance of
+    # ~1e-6 would move them by about one float32 ulp of 1 and nothing about
+    # them could be checked. Tolerances are relative to the data's scale
+    # (parity_harness.magnitude); see test_tiny_variance_case_rejects_a_wrong_answer.
+    _case('4d-tiny-variance', [8, 3, 2, 3], loc=0.0, scale=1e-3,
+          kwargs={'momentum': 0.0, 'epsilon': 1e-6}),
+    _case('4d-float16', [8, 3, 2, 3], dtype='float16'),
+    _case('4d-bfloat16-channels_first', [8, 3, 3, 2], dtype='bfloat16',
+          kwargs={'data_format': 'channels_first'}),
+    _case('2d-float16', [8, 3], dtype='float16'),
+    # The README: "... for inputs whose mean is 10^4 times their spread"
+    # (uneven towers, one empty: the default sizes).
+    _case('4d-mean1e4', [8, 3, 2, 3], loc=1e4, scale=1.0),
+    _case('4d-mean1e4-channels_first', [8, 3, 3, 2], loc=1e4, scale=1.0,
+          kwargs={'data_format': 'channels_first'}),
+    _case('2d-mean1e4', [8, 3], loc=1e4, scale=1.0),
+    _case('renorm-4d-mean1e4', [8, 3, 2, 3], 'BatchRenorm', loc=1e4, scale=1.0,
+          kwargs={'rmax': 3.0, 'dmax': 5.0, 'momentum': 0.8}),
     _case('2d-ghost', [8, 3], kwargs={'virtual_batch_size': 4, 'momentum': 0.8}, **GHOST),
     _case('4d-ghost-channels_last', [8, 2, 2, 3], kwargs={'virtual_batch_size': 4}, **GHOST),
     _case('4d-ghost-channels_first', [8, 3, 2, 2],
@@ -115,12 +133,30 @@ CASES = [
 NAMES = [c['name'] for c in CASES]
 
 
+#: Where a child run (without_onednn) finds this module's reference results.
+REFERENCE_DIR_VARIABLE = 'TF1_SYNCBN_TEST_TENSORPACK_PARITY_REFERENCE'
+
+
 @pytest.fixture(scope='module')
-def tensorpack_results(tmp_path_factory):
-    """Runs every case with tensorpack itself, in one subprocess."""
+def tensorpack_reference_dir(tmp_path_factory):
+    """Runs every case with tensorpack itself, in one subprocess; returns its directory.
+
+    A child run of this module (``test_stock_kernels_without_onednn``) reuses
+    its parent's results instead of running tensorpack again.
+    """
+    if os.environ.get(REFERENCE_DIR_VARIABLE):
+        return pathlib.Path(os.environ[REFERENCE_DIR_VARIABLE])
     tmp = tmp_path_factory.mktemp('tensorpack_parity')
     (tmp / 'cases.json').write_text(json.dumps(CASES))
     run_reference(REFERENCE_SCRIPT, tmp, args=[str(tmp / 'cases.json')], timeout=600)
+    return tmp
+
+
+@pytest.fixture(scope='module')
+def tensorpack_results(tensorpack_reference_dir):
+    """Every case's reference arrays and graph info, as tensorpack computed them."""
+    tmp = tensorpack_reference_dir
+    assert json.loads((tmp / 'cases.json').read_text()) == json.loads(json.dumps(CASES))
     arrays = np.load(tmp / 'tensorpack_parity.npz')
     infos = json.loads((tmp / 'tensorpack_parity.json').read_text())
     results = [({}, info) for info in infos]
@@ -137,14 +173,17 @@ def _reference(results, case):
     return ref, info
 
 
-def _ours(case, sizes):
+def _ours(case, sizes, kernel_impl=None):
     def apply(x, weights, training, tower, towers):
         extra = {'renorm_takes_training': True}
         if towers > 1 and tower is not None:
             extra['sync_statistics'] = CollectiveBackend(timeout=60)
         return tensorpack_apply(tf1_syncbn, case, x, training, tower, **extra)
 
-    return train_case(apply, case, CASES.index(case), sizes)
+    ours, info = train_case(apply, case, CASES.index(case), sizes)
+    if kernel_impl == 'stock':   # (the compiled set's slow paths use stock ops too)
+        assert info['kernel_ops'] == 0, 'the stock kernel set used the compiled kernels'
+    return ours, info
 
 
 @pytest.mark.parametrize('case', CASES, ids=NAMES)
@@ -165,10 +204,11 @@ def test_one_tower_is_tensorpack(tensorpack_results, case):
 
 
 @pytest.mark.parametrize('case', CASES, ids=NAMES)
-def test_towers_are_tensorpack_on_the_concatenated_batch(tensorpack_results, case):
+def test_towers_are_tensorpack_on_the_concatenated_batch(tensorpack_results, case, kernel_impl):
+    """Both kernel sets (one tower does not synchronize: its test runs once)."""
     ref, ref_info = _reference(tensorpack_results, case)
     sizes = case.get('sizes', DEFAULT_SIZES)
-    ours, info = _ours(case, sizes)
+    ours, info = _ours(case, sizes, kernel_impl)
     assert_same_numbers(ours, ref, case, len(sizes))
     assert info['global_variables'] == ref_info['global_variables']
 
@@ -186,3 +226,32 @@ def test_ranks_tensorpack_rejects_follow_its_code(graph, rng, example_shape, unb
         moving = sess.run(tf1.global_variables('bn/variance/EMA')[0])
     expected = bn_forward(data, 1, 0, 1e-5)['var_unbiased' if unbiased else 'var']
     np.testing.assert_allclose(moving, expected, rtol=1e-5)
+
+
+def test_stock_kernels_without_onednn(tensorpack_reference_dir, tmp_path):
+    """Every multi-tower case on the stock kernels with oneDNN off (GPU towers' kernel set).
+
+    In a child pytest (``without_onednn``), with tensorpack's results of this run.
+    """
+    run_stock_cases_without_onednn(
+        __file__, tmp_path, expected=len(CASES),
+        extra_env={REFERENCE_DIR_VARIABLE: str(tensorpack_reference_dir)})
+
+
+def test_tiny_variance_case_rejects_a_wrong_answer(tensorpack_results):
+    """The tiny-variance comparisons mean something: wrong answers fail them.
+
+    Data of spread 1e-3: the EMAs hold batch means ~1e-4 and variances ~1e-6.
+    With ``atol`` relative to max(|value|, 1), as it was (and the EMAs
+    starting at 1 with momentum 0.9), the unbiased variance instead of the
+    biased one (a factor 48/47) or a mean off by 1% passed. Relative to the
+    data's scale they fail; the reference itself passes.
+    """
+    case = CASES[NAMES.index('4d-tiny-variance')]
+    ref, _ = _reference(tensorpack_results, case)
+    assert_same_numbers(dict(ref), ref, case, 1)
+    for pattern, factor in (('variance/EMA', 48.0 / 47.0), ('mean/EMA', 1.01)):
+        wrong = {k: v * factor if pattern in k else v for k, v in ref.items()}
+        assert any(pattern in k for k in ref)
+        with pytest.raises(AssertionError, match=pattern):
+            assert_same_numbers(wrong, ref, case, 1)
