@@ -116,6 +116,12 @@ def _reference(towers):
     return _train(build, towers)
 
 
+def nchw_sync_batch_norm(inputs, **params):
+    """``sync_batch_norm`` on the channels-first layout, for an NHWC net (CPU convs are NHWC)."""
+    y = sync_batch_norm(tf.transpose(inputs, [0, 3, 1, 2]), data_format='NCHW', **params)
+    return tf.transpose(y, [0, 2, 3, 1])
+
+
 def _sync_params(towers, **extra):
     params = {'decay': DECAY, 'epsilon': EPS, 'scale': True, 'num_dev': towers,
               'sync_statistics': 'collective'}
@@ -131,7 +137,7 @@ def _keep(keep, towers, scope_format):
     return tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
 
 
-def model_deploy_clones(towers, keep, params=None, devices=None):
+def model_deploy_clones(towers, keep, params=None, devices=None, layer=sync_batch_norm):
     """tf-slim's model_deploy, inlined: clone_%d scopes, summed (loss / clones) gradients."""
     def build(images, labels, optimizer):
         image_parts, label_parts = tf.split(images, towers), tf.split(labels, towers)
@@ -140,7 +146,7 @@ def model_deploy_clones(towers, keep, params=None, devices=None):
             device = devices[i] if devices else '/cpu:%d' % i
             with tf.name_scope('clone_%d' % i), tf.device(device):
                 with tf1.variable_scope(tf1.get_variable_scope(), reuse=True if i > 0 else None):
-                    loss = model(image_parts[i], label_parts[i], sync_batch_norm,
+                    loss = model(image_parts[i], label_parts[i], layer,
                                  params or _sync_params(towers))
                     losses.append(loss)
                     grads.append(optimizer.compute_gradients(loss / towers))
@@ -153,15 +159,14 @@ def model_deploy_clones(towers, keep, params=None, devices=None):
     return build
 
 
-def classic_towers(towers, keep):
+def classic_towers(towers, keep, layer=sync_batch_norm):
     """cifar10_multi_gpu_train.py / inception_train.py: tower_%d scopes, reuse_variables()."""
     def build(images, labels, optimizer):
         image_parts, label_parts = tf.split(images, towers), tf.split(labels, towers)
         losses, tower_grads = [], []
         for i in range(towers):
             with tf.device('/cpu:%d' % i), tf.name_scope('tower_%d' % i):
-                loss = model(image_parts[i], label_parts[i], sync_batch_norm,
-                             _sync_params(towers))
+                loss = model(image_parts[i], label_parts[i], layer, _sync_params(towers))
                 tf1.get_variable_scope().reuse_variables()
                 losses.append(loss)
                 tower_grads.append(optimizer.compute_gradients(loss))
@@ -182,18 +187,38 @@ def _assert_matches_reference(result, reference):
     assert not np.allclose(variables['net/conv1/BatchNorm/moving_mean'], 0)
 
 
+def _assert_kernel_set(graph, kernel_impl):
+    kernel_ops = [op for op in graph.get_operations() if op.type.startswith('SyncBn') and
+                  op.type != 'SyncBnStepWatchdog']
+    if kernel_impl == 'custom':
+        assert kernel_ops, 'the compiled kernels were not used'
+    else:
+        assert not kernel_ops, 'the stock kernel set used the compiled kernels'
+
+
 @pytest.mark.parametrize('towers', [2, 4])
 @pytest.mark.parametrize('keep', ['first', 'last', 'all'])
 @pytest.mark.parametrize('harness', [model_deploy_clones, classic_towers])
-def test_harness_equals_one_device_on_the_concatenated_batch(towers, keep, harness):
+def test_harness_equals_one_device_on_the_concatenated_batch(towers, keep, harness, kernel_impl):
     result = _train(harness(towers, keep), towers)
     _assert_matches_reference(result, _reference(towers))
     graph = result[2]
     collectives = [op for op in graph.get_operations() if op.type == 'CollectiveReduce']
     assert len(collectives) == 2 * towers   # one layer: one all-reduce forward, one backward
+    _assert_kernel_set(graph, kernel_impl)
 
 
-def test_model_deploy_with_sync_arg_scope_around_a_slim_batch_norm_net():
+@pytest.mark.parametrize('towers', [2, 4])
+@pytest.mark.parametrize('harness,keep', [(model_deploy_clones, 'first'),
+                                          (classic_towers, 'last')])
+def test_harness_with_channels_first_batch_norm(towers, keep, harness, kernel_impl):
+    """The same nets with the layer on NCHW (as GPU nets run it), each harness's own updates."""
+    result = _train(harness(towers, keep, layer=nchw_sync_batch_norm), towers)
+    _assert_matches_reference(result, _reference(towers))   # (gamma has 8 channels, not 6)
+    _assert_kernel_set(result[2], kernel_impl)
+
+
+def test_model_deploy_with_sync_arg_scope_around_a_slim_batch_norm_net(kernel_impl):
     """The README's model_deploy recipe: the net names slim.batch_norm; clone_fn wraps it."""
     towers = 2
 
@@ -218,6 +243,7 @@ def test_model_deploy_with_sync_arg_scope_around_a_slim_batch_norm_net():
     result = _train(build, towers)
     _assert_matches_reference(result, _reference(towers))
     assert len([op for op in result[2].get_operations() if op.type == 'CollectiveReduce']) == 4
+    _assert_kernel_set(result[2], kernel_impl)
 
 
 def test_model_deploy_clone_on_cpu_is_a_build_error():

@@ -18,6 +18,7 @@ nothing.
 """
 
 import collections
+import inspect
 import os
 import re
 import subprocess
@@ -74,6 +75,35 @@ def _short(text, limit=1200):
     if not keep:
         keep = [line for line in text.splitlines() if line.strip()][-12:]
     return '\n'.join('    ' + line for line in keep[:10])[:limit]
+
+
+def count_kernel_cases(module):
+    """How many tests of ``module`` run once per kernel set (the ``kernel_impl`` fixture).
+
+    Read from the module's own definitions (its ``parametrize`` marks), so that
+    a child run that selected fewer of them fails.
+    """
+    def marks(obj):
+        found = getattr(obj, 'pytestmark', [])
+        return found if isinstance(found, list) else [found]
+
+    def uses_kernel_impl(obj):
+        return any(m.name == 'usefixtures' and 'kernel_impl' in m.args for m in marks(obj))
+
+    everywhere = uses_kernel_impl(module)
+    total = 0
+    for name, function in vars(module).items():
+        if not (name.startswith('test') and inspect.isfunction(function)):
+            continue
+        if not (everywhere or uses_kernel_impl(function) or
+                'kernel_impl' in inspect.signature(function).parameters):
+            continue
+        count = 1
+        for mark in marks(function):
+            if mark.name == 'parametrize':
+                count *= len(mark.args[1])
+        total += count
+    return total
 
 
 def run_stock_cases_without_onednn(module, tmp_path, expected, extra_env=None, timeout=600,
