@@ -102,25 +102,39 @@ def build_towers_on(layer_fn, devices, shape, dtype=tf.float32):
     return dict(xs=xs, dys=dys, ys=ys, loss=loss)
 
 
-def towers_skipping_a_layer(backend):
-    """Two name-scope towers that build one synchronized layer; tower 1 skips it at run time.
+def towers_skipping_a_layer(backend, layer=None, **layer_kwargs):
+    """Two towers that build one synchronized layer; tower 1 skips it at run time.
 
     Every tower builds the layer (the build-time and first-run checks see a
     complete group), but a ``tf.cond`` runs it in tower 0 only: the all-reduce
-    waits for tower 1 until the backend's timeout.
+    waits for tower 1 until the backend's timeout. The default layer is built
+    in name-scope towers (``num_dev=2``), a given one in ``TowerContext``s.
+
+    Args:
+      backend: the layer's ``sync_statistics``.
+      layer: ``layer(x, backend)`` builds the synchronized layer on ``x`` (of
+        shape ``[None, 4, 3]`` when given); default: ``sync_batch_norm`` on
+        ``[None, 3]`` with ``**layer_kwargs``.
 
     Returns:
       ``(xs, ys)``: the towers' placeholders and outputs.
     """
     from tf1_syncbn import sync_batch_norm
+    from tower import TowerContext
     xs, ys = [], []
     for i in range(2):
-        with tf.device('/cpu:%d' % i), tf.name_scope('tower%d' % i):
-            x = tf1.placeholder(tf.float32, [None, 3])
+        tower = tf.name_scope('tower%d' % i) if layer is None else \
+            TowerContext('tower%d' % i, index=i, total=2)
+        with tf.device('/cpu:%d' % i), tower:
+            x = tf1.placeholder(tf.float32, [None, 3] if layer is None else [None, 4, 3])
             xs.append(x)
-            layer = lambda: sync_batch_norm(x, num_dev=2, scope='bn', reuse=tf1.AUTO_REUSE,  # noqa: E731,B023
-                                            updates_collections=None, sync_statistics=backend)
-            ys.append(tf.cond(tf.constant(i == 0), layer, lambda: x))  # noqa: B023
+            if layer is None:
+                build = lambda: sync_batch_norm(  # noqa: E731
+                    x, num_dev=2, scope='bn', reuse=tf1.AUTO_REUSE,  # noqa: B023
+                    updates_collections=None, sync_statistics=backend, **layer_kwargs)
+            else:
+                build = lambda: layer(x, backend)  # noqa: E731,B023
+            ys.append(tf.cond(tf.constant(i == 0), build, lambda: x))  # noqa: B023
     return xs, ys
 
 

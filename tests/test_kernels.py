@@ -18,8 +18,8 @@ tf1 = tf.compat.v1
 CUSTOM_OPS = {'SyncBnMoments', 'SyncBnNormalize', 'SyncBnGradSums', 'SyncBnGradInput'}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Non-constant ops of one synchronized layer in one tower, forward and backward
-#: (the issue's budget; the compiled kernels need 15 today, unsynchronized fused
-#: batch norm 7).
+#: (the compiled kernels need 12, the portable set 19 (NHWC) and 23 (NCHW),
+#: unsynchronized fused batch norm 7; see tests/test_kernel_sets.py).
 OP_BUDGET = 25
 
 
@@ -53,7 +53,7 @@ def test_cpu_towers_use_the_kernels_when_enabled(graph, custom):
 def test_gpu_towers_use_stock_kernels(graph, monkeypatch):
     from tower import call_for_each_tower
     from tf1_syncbn import backends
-    monkeypatch.setattr(backends, 'gpus_present', lambda: True)  # build an NCCL graph
+    monkeypatch.setattr(backends, 'physical_gpu_count', lambda: 2)  # build an NCCL graph
     xs = []
 
     def tower():
@@ -86,13 +86,11 @@ def test_op_budget_of_one_synchronized_layer(graph, custom):
     ops = _layer_ops(graph, 'tower1')   # tower 1 builds no moving-average updates
     listing = '\n'.join('%s %s' % (op.type, op.name) for op in ops)
     assert sum(op.type == 'CollectiveReduce' for op in ops) == 2, listing
+    assert len(ops) <= OP_BUDGET, '%d ops > %d:\n%s' % (len(ops), OP_BUDGET, listing)
     if custom:
-        assert len(ops) <= OP_BUDGET, '%d ops > %d:\n%s' % (len(ops), OP_BUDGET, listing)
         assert {op.type for op in ops} >= CUSTOM_OPS, listing
         assert not {'Cast', 'ConcatV2', 'StridedSlice', 'Rsqrt'} & {op.type for op in ops}, \
             listing
-    else:
-        assert len(ops) <= 80, '%d ops:\n%s' % (len(ops), listing)
 
 
 def test_environment_switch_disables_them():
@@ -294,26 +292,3 @@ def test_ahead_of_time_command(capsys, monkeypatch):
     monkeypatch.setattr(kernels, 'build', broken)
     assert command.main([]) == 1
     assert 'no C++ compiler: test' in capsys.readouterr().err
-
-
-@pytest.mark.parametrize('custom', [True, False])
-def test_control_inputs_precede_the_local_moments(graph, custom):
-    """train_normalize's control_inputs gate the first op that reads the input."""
-    from tf1_syncbn import _engine
-    x = tf1.placeholder(tf.float32, [2, 3, 1, 4])
-    check = tf.no_op(name='tower_check')
-    with kernels.use_custom_kernels(custom), tf.device('/cpu:0'):
-        _engine.train_normalize(x, 'NHWC', tf.ones([4]), tf.zeros([4]), 1e-3,
-                                control_inputs=[check])
-    moments = graph.get_operation_by_name('local_moments')
-    assert moments.type == ('SyncBnMoments' if custom else 'FusedBatchNormV3')
-    if custom:   # one op: it carries the control input itself
-        assert moments.control_inputs == [check]
-    ancestors, todo = set(), [moments]
-    while todo:
-        op = todo.pop()
-        for parent in [t.op for t in op.inputs] + list(op.control_inputs):
-            if parent not in ancestors:
-                ancestors.add(parent)
-                todo.append(parent)
-    assert check in ancestors

@@ -14,6 +14,9 @@ import tensorflow as tf
 
 from conftest import make_session
 from tf1_syncbn import distributed as dist
+from tf1_syncbn.distributed import cluster as dist_cluster
+from tf1_syncbn.distributed import collectives as dist_collectives
+from tf1_syncbn.distributed import session as dist_session
 from tower import TowerContext, average_gradients, call_for_each_tower
 
 tf1 = tf.compat.v1
@@ -42,19 +45,19 @@ def test_without_tf_config_the_cluster_is_this_process(no_tf_config):
 def test_tf_config_with_a_chief(monkeypatch):
     spec = {'chief': ['c:1'], 'worker': ['w0:2', 'w1:3'], 'evaluator': ['e:4']}
     set_tf_config(monkeypatch, spec, 'worker', 1)
-    resolved = dist._resolve(None, None)
+    resolved = dist_cluster._resolve(None, None)
     assert resolved == ({'chief': ['c:1'], 'worker': ['w0:2', 'w1:3']}, 'worker', 1)
     jobs = [('chief', 0), ('worker', 0), ('worker', 1)]
     config = dist.session_config(2, 'CPU', jobs, rank=2)
     assert config.experimental.collective_group_leader == '/job:chief/replica:0/task:0'
     assert list(config.device_filters) == ['/job:worker/task:1']
     assert config.device_count['CPU'] == 2
-    assert dist._tower_devices(jobs, 2, 2, 'CPU', False) == [
+    assert dist_cluster._tower_devices(jobs, 2, 2, 'CPU', False) == [
         '/job:worker/replica:0/task:1/device:CPU:0', '/job:worker/replica:0/task:1/device:CPU:1']
 
 
 def test_hosts_and_task(no_tf_config):
-    assert dist._resolve('h0:1,h1:2', 1) == ({'worker': ['h0:1', 'h1:2']}, 'worker', 1)
+    assert dist_cluster._resolve('h0:1,h1:2', 1) == ({'worker': ['h0:1', 'h1:2']}, 'worker', 1)
     config = dist.session_config(1, 'GPU', [('worker', 0), ('worker', 1)], rank=0,
                                  config=tf1.ConfigProto(allow_soft_placement=True))
     assert config.allow_soft_placement
@@ -125,7 +128,7 @@ def test_buckets_split_by_dtype_and_size_in_order():
         items = [(i, tf.zeros(shape, dtype)) for i, (shape, dtype) in enumerate(
             [([4], tf.float32), ([2], tf.float16), ([3], tf.float32), ([10], tf.float32),
              ([1], tf.float32), ([2], tf.float16)])]
-        buckets = dist._buckets(items, bucket_bytes=28)
+        buckets = dist_collectives._buckets(items, bucket_bytes=28)
     assert [(dtype, [i for i, _ in bucket]) for dtype, bucket in buckets] == [
         (tf.float32, [0, 2]), (tf.float32, [3]), (tf.float32, [4]), (tf.float16, [1, 5])]
 
@@ -135,15 +138,15 @@ def test_summary_of_a_collective_error():
         'Graph execution error:\n\nDetected at node \'x\' defined at\n  File "a.py"\n'
         'From /job:worker/replica:0/task:0:\nCollective has timed out waiting for other '
         'workers.\n\t [[{{node CollectiveReduce}}]]'))
-    assert dist._summarize(error) == ('DeadlineExceededError: Collective has timed out waiting '
+    assert dist_session._summarize(error) == ('DeadlineExceededError: Collective has timed out waiting '
                                       'for other workers.')
 
 
 def test_a_collective_name_used_twice_in_a_graph_is_an_error():
     with tf.Graph().as_default() as graph:
-        dist._instance_key(graph, 'grads', 'bucket/0')
+        dist_collectives._instance_key(graph, 'grads', 'bucket/0')
         with pytest.raises(ValueError, match="name 'grads' is already used"):
-            dist._instance_key(graph, 'grads', 'bucket/0')
+            dist_collectives._instance_key(graph, 'grads', 'bucket/0')
 
 
 def _tower_model(devices, optimizer):
@@ -419,7 +422,7 @@ def test_every_cross_worker_collective_carries_the_communication_hint(device_typ
     addresses = ['localhost:1', 'localhost:2']
     cluster = dist.Cluster(None, tf1.ConfigProto(), addresses,
                            [('worker', 0), ('worker', 1)], rank, 2,
-                           dist._tower_devices([('worker', 0), ('worker', 1)], rank, 2,
+                           dist_cluster._tower_devices([('worker', 0), ('worker', 1)], rank, 2,
                                                device_type, False),
                            device_type, 5.0, 1.0, communication_hint=hint)
     assert cluster.backend().communication_hint == hint
@@ -449,7 +452,7 @@ def test_the_batch_norm_backend_of_a_cluster_carries_the_hint(graph):
     from tf1_syncbn import sync_batch_norm
     jobs = [('worker', 0), ('worker', 1)]
     cluster = dist.Cluster(None, tf1.ConfigProto(), ['localhost:1', 'localhost:2'], jobs, 0, 2,
-                           dist._tower_devices(jobs, 0, 2, 'CPU', False), 'CPU', 5.0, 1.0,
+                           dist_cluster._tower_devices(jobs, 0, 2, 'CPU', False), 'CPU', 5.0, 1.0,
                            communication_hint='ring')
     x = tf1.placeholder(tf.float32, [4, 3])
     outputs = call_for_each_tower(

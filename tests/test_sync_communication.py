@@ -171,7 +171,7 @@ def test_keys_do_not_depend_on_build_order(graph):
 @pytest.fixture
 def fake_gpus(monkeypatch):
     """Makes the layers believe GPUs are present, to build NCCL graphs on this CPU machine."""
-    monkeypatch.setattr(backends, 'gpus_present', lambda: True)
+    monkeypatch.setattr(backends, 'physical_gpu_count', lambda: 2)
 
 
 def test_nccl_graph_structure_on_gpu_devices(graph, fake_gpus):
@@ -300,3 +300,21 @@ def test_backend_reprs_and_validation():
         with pytest.raises(ValueError):
             CollectiveBackend(**bad)
     assert CollectiveBackend(num_workers=3).group_size(2) == 6
+
+
+@pytest.mark.parametrize('backend', ['nccl', 'collective', 'auto'])
+def test_a_gpu_index_this_process_does_not_have_is_a_build_time_error(graph, fake_gpus, backend):
+    """Soft placement would quietly put '/gpu:5' elsewhere, beside another tower."""
+    def tower():
+        return sync_batch_norm(tf1.placeholder(tf.float32, [None, 3]), sync_statistics=backend)
+
+    with pytest.raises(ValueError, match=r"on /device:GPU:5, but this process sees 2 GPUs "
+                                         r"\(GPU:0 to GPU:1\)"):
+        call_for_each_tower(tower, ['/gpu:0', '/gpu:5'])
+
+
+def test_gpu_towers_on_existing_gpus_build(graph, fake_gpus):
+    call_for_each_tower(lambda: sync_batch_norm(tf1.placeholder(tf.float32, [None, 3]),
+                                                sync_statistics='collective'),
+                        ['/gpu:1', '/gpu:0'])
+    assert len(_collectives(graph)) == 2

@@ -20,7 +20,7 @@ from tf1_syncbn.slim_layer import sync_batch_norm
 from tf1_syncbn.tensorpack_layer import BatchNorm, BatchRenorm, start_finetuning
 from tf1_syncbn.convert import convert_arg_scope, sync_arg_scope
 from tf1_syncbn.tensorpack_compat import patch_tensorpack
-from tf1_syncbn._layer_core import SyncBNWarning
+from tf1_syncbn._group import SyncBNWarning
 from tf1_syncbn.distributed import (Cluster, ClusterError, DistributedOptimizer, PeerMissingError,
                                     WorkerLostError, WorkerSession, all_reduce_gradients,
                                     average_across_workers, broadcast_variables, setup_cluster)

@@ -76,25 +76,27 @@ def count_per_channel(x4, fmt):
     return tf.cast(tf.reduce_prod(tf.gather(dyn, axes)), STAT_DTYPE)
 
 
-def batch_shift(x4, fmt):
-    """A per-channel value from the batch itself (its first element), or 0 if empty.
+def first_example(x4, fmt):
+    """The first element of every channel, as a ``[1, 1, 1, C]`` / ``[1, C, 1, 1]`` slice.
 
-    Subtracting it before computing moments is exact for data near the shift
-    (Sterbenz) and keeps the moments accurate when ``|mean| >> std``.
+    One ``StridedSlice``; for an empty batch the slice is empty too. Used as
+    a per-channel shift: subtracting a value of the batch itself keeps the
+    moments exact when ``|mean| >> std`` (Sterbenz), without a ``tf.cond``.
+    """
+    if fmt == 'NHWC':
+        return x4[:1, :1, :1, :]
+    return x4[:1, :, :1, :1]
+
+
+def batch_shift(x4, fmt):
+    """The first element of every channel as a float32 ``[C]`` vector, or zeros if empty.
 
     Returns:
       A float32 vector of shape ``[C]`` with no gradient.
     """
-    def first():
-        if fmt == 'NHWC':
-            return x4[0, 0, 0, :]
-        return x4[0, :, 0, 0]
-
-    def zero():
-        return tf.zeros([x4.shape[channel_axis(fmt)]], x4.dtype)
-
-    nonempty = tf.greater(tf.size(x4), 0)
-    return tf.stop_gradient(tf.cast(tf.cond(nonempty, first, zero), STAT_DTYPE))
+    first = tf.cast(first_example(x4, fmt), STAT_DTYPE)
+    # Summing the (at most one-element) slice gives zeros for an empty batch.
+    return tf.stop_gradient(tf.reduce_sum(first, [a for a in range(4) if a != channel_axis(fmt)]))
 
 
 def broadcast_shape(fmt, channels):
@@ -102,19 +104,15 @@ def broadcast_shape(fmt, channels):
     return [1, 1, 1, channels] if fmt == 'NHWC' else [1, channels, 1, 1]
 
 
-def local_moments(xs4, fmt):
-    """Per-channel mean and sum of squared deviations of the (shifted) local batch.
+def shifted_moments(xs4, fmt):
+    """Mean and Bessel-corrected variance of a shifted view, with one fused kernel.
 
-    Uses one ``FusedBatchNormV3`` training-mode kernel, which accumulates in
-    float32 for float16/bfloat16 inputs.
-
-    Args:
-      xs4: shifted canonical view.
-      fmt: its layout.
+    ``FusedBatchNormV3`` in training mode accumulates in float32 for
+    float16/bfloat16 inputs, on every device and layout. For an empty batch
+    its statistics are NaN: :func:`pack_shifted_moments` masks them.
 
     Returns:
-      ``(count, mean, m2)`` float32 tensors: a scalar and two ``[C]`` vectors.
-      For an empty batch, all three are zero.
+      ``(mean, variance)``: float32 ``[C]``, the variance ``M2 / max(n - 1, 1)``.
     """
     channels = xs4.shape[channel_axis(fmt)]
     ones = tf.ones([channels], STAT_DTYPE)
@@ -123,50 +121,38 @@ def local_moments(xs4, fmt):
     _, mean, var, _, _, _ = gen_nn_ops.fused_batch_norm_v3(
         xs4, ones, zeros, empty, empty, epsilon=0.0, data_format=fmt, is_training=True,
         name='local_moments')
-    count = count_per_channel(xs4, fmt)
-    # The kernel's variance is Bessel-corrected: var = M2 / max(n - 1, 1).
-    m2 = var * tf.maximum(count - 1.0, 1.0)
-    nonempty = tf.greater(count, 0.0)
-    mean = tf.where(nonempty, mean, zeros)
-    m2 = tf.where(nonempty, tf.maximum(m2, 0.0), zeros)
-    return count, mean, m2
+    return mean, var
 
 
-#: Above this ratio |mean| / std (in any channel) a tower recomputes its
-#: moments on data shifted by its own mean, where float32 sums stay exact.
-SHIFT_THRESHOLD = 4.0
+def pack_shifted_moments(first, mean, var, size, fmt):
+    """Packs a tower's moments, measured around its first example, for the sum all-reduce.
 
+    A small-vector function (no full-size tensor): the portable kernel set
+    compiles it with XLA into one op.
 
-def robust_local_moments(x4, fmt, threshold=SHIFT_THRESHOLD):
-    """Local moments that stay accurate when ``|mean| >> std``.
-
-    One fused kernel computes the moments of ``x4``. If some channel has
-    ``|mean| > threshold * std``, where the kernel's float32 sums lose
-    precision, the moments are computed again on ``x4 - mean`` (a rounded
-    mean is an exact shift: ``x - shift`` is exact for data near the shift).
-    Well-conditioned data, the common case, pays for one kernel only.
+    Args:
+      first: the first example's slice (:func:`first_example`), any float dtype;
+        empty for an empty batch.
+      mean: float32 ``[C]``, the mean of the data minus ``first``.
+      var: float32 ``[C]``, their variance ``M2 / max(n - 1, 1)`` (NaN when empty).
+      size: int scalar, the number of elements of the tower's canonical view.
+      fmt: the canonical view's layout.
 
     Returns:
-      ``(count, shift, mean, m2)`` float32: the count, the shift (zeros unless
-      recomputed), and the mean (relative to the shift) and sum of squared
-      deviations of the local batch.
+      The float64 vector of :func:`pack_moments`: ``[n, n*mu, M2 + n*mu^2]``,
+      zeros for an empty batch.
     """
-    count, mean, m2 = local_moments(x4, fmt)
-    channels = x4.shape[channel_axis(fmt)]
-    var = m2 / tf.maximum(count, 1.0)
-    ill = tf.reduce_any(tf.square(mean) > (threshold * threshold) * var)
-
-    def shifted():
-        xs4 = x4 - tf.reshape(tf.cast(mean, x4.dtype), broadcast_shape(fmt, channels))
-        shift = tf.cast(tf.cast(mean, x4.dtype), STAT_DTYPE)
-        _, mean_s, m2_s = local_moments(xs4, fmt)
-        return shift, mean_s, m2_s
-
-    def plain():
-        return tf.zeros_like(mean), mean, m2
-
-    shift, mean, m2 = tf.cond(ill, shifted, plain, name='shift_if_ill_conditioned')
-    return count, shift, mean, m2
+    channels = mean.shape[0]
+    n = tf.cast(size, PACK_DTYPE) / float(channels)
+    shift = tf.reduce_sum(tf.cast(first, PACK_DTYPE),
+                          [a for a in range(4) if a != channel_axis(fmt)])
+    mu = shift + tf.cast(mean, PACK_DTYPE)
+    m2 = tf.cast(var, PACK_DTYPE) * tf.maximum(n - 1.0, 1.0)
+    nonempty = n > 0.0
+    zeros = tf.zeros_like(mu)
+    sums = tf.where(nonempty, n * mu, zeros)
+    squares = tf.where(nonempty, tf.maximum(m2, 0.0) + n * mu * mu, zeros)
+    return tf.concat([tf.reshape(n, [1]), sums, squares], 0)
 
 
 def pack_moments(count, shift, mean, m2):
@@ -203,6 +189,30 @@ def unpack_moments(packed, channels):
     return n, mean, var
 
 
+Moments = collections.namedtuple('Moments', ['mean', 'variance', 'count'])
+Moments.__doc__ = """Global batch statistics (float32, no gradient).
+
+Attributes:
+  mean: ``[C]`` mean over the global batch.
+  variance: ``[C]`` biased variance (``M2 / n``), the one used to normalize.
+  count: scalar, number of elements per channel in the global batch.
+"""
+
+
+def global_statistics(packed_sum, channels):
+    """The global statistics from the summed packed moments, as float32.
+
+    A small-vector function: the portable kernel set compiles it with XLA.
+
+    Returns:
+      ``(mean, variance, count)``: float32 ``[C]``, ``[C]`` (biased) and a
+      scalar (elements per channel in the global batch).
+    """
+    n64, mean64, var64 = unpack_moments(packed_sum, channels)
+    return (tf.cast(mean64, STAT_DTYPE), tf.cast(var64, STAT_DTYPE),
+            tf.cast(n64, STAT_DTYPE))
+
+
 def bessel_correct(var, count):
     """``var * n / (n - 1)``, the unbiased variance (``n <= 1`` leaves it as is)."""
     return var * count / tf.maximum(count - 1.0, 1.0)
@@ -219,7 +229,8 @@ def normalize(x4, gamma, beta, mean, var, epsilon, fmt, name='normalize'):
       name: the op's name.
 
     Returns:
-      ``(y4, reserve)`` where ``reserve`` holds what :func:`backward_local` needs.
+      ``(y4, reserve)`` where ``reserve`` holds the kernel's reserve spaces,
+      which its gradient kernel takes.
     """
     y, _, _, r1, r2, r3 = gen_nn_ops.fused_batch_norm_v3(
         x4, gamma, beta, mean, var, epsilon=epsilon, data_format=fmt, is_training=False,
@@ -227,19 +238,18 @@ def normalize(x4, gamma, beta, mean, var, epsilon, fmt, name='normalize'):
     return y, (r1, r2, r3)
 
 
-def backward_local(dy4, x4, gamma, mean, var, reserve, epsilon, fmt):
-    """Local part of the backward pass of :func:`normalize` with batch statistics.
+def frozen_gradient(dy4, x4, gamma, mean, var, reserve, epsilon, fmt):
+    """The gradient of :func:`normalize` with the statistics held constant.
 
-    The gradient kernel runs in inference mode, where it reads the statistics
-    from its ``reserve_space_1``/``reserve_space_2`` inputs. They are given
-    ``mean`` and ``var`` directly: the forward kernel's own reserve-space
-    outputs are not the statistics on every CPU build (for float16 inputs
-    they are left uninitialized).
+    One ``FusedBatchNormGradV3`` in inference mode, which TensorFlow implements
+    for ``NHWC`` only (on CPUs without oneDNN and on GPUs alike): callers
+    with ``NCHW`` views use :func:`gradient_sums` instead. The statistics go
+    in as ``reserve_space_1``/``reserve_space_2``, where the kernel reads them
+    in inference mode on every device.
 
     Returns:
-      ``(dx_partial, dgamma, dbeta)`` where ``dx_partial = dy * gamma * r``
-      (with ``r = rsqrt(var + eps)``), ``dgamma = sum(dy * xhat)`` and
-      ``dbeta = sum(dy)`` over the local batch (float32).
+      ``(dx_partial, dgamma, dbeta)``: ``dy * gamma * r`` (``r = rsqrt(var +
+      eps)``), ``sum(dy * xhat)`` and ``sum(dy)`` over the local batch (float32).
     """
     dx, dgamma, dbeta, _, _ = gen_nn_ops.fused_batch_norm_grad_v3(
         dy4, x4, gamma, mean, var, reserve[2], epsilon=epsilon,
@@ -247,27 +257,54 @@ def backward_local(dy4, x4, gamma, mean, var, reserve, epsilon, fmt):
     return dx, dgamma, dbeta
 
 
-def backward_finish(x4, dx_partial, gamma, mean, var, dgamma, dbeta, count, epsilon, fmt):
-    """Adds the statistics' contribution to the input gradient.
+def gradient_sums(dy4, x4, mean, var, epsilon, fmt):
+    """``sum(dy * xhat)`` and ``sum(dy)`` over the local batch, for any layout.
 
-    With global sums ``dgamma = sum(dy * xhat)`` and ``dbeta = sum(dy)`` over
+    ``xhat`` comes from one fused inference kernel (``x - mean`` is formed in
+    float32 inside it, so it keeps its precision when ``|mean| >> std``); the
+    sums accumulate in float32 for every input dtype.
+
+    Returns:
+      ``(xhat4, dgamma, dbeta)``: the normalized view (input dtype) and two
+      float32 ``[C]`` vectors.
+    """
+    channels = x4.shape[channel_axis(fmt)]
+    xhat4, _ = normalize(x4, tf.ones([channels], STAT_DTYPE), tf.zeros([channels], STAT_DTYPE),
+                         mean, var, epsilon, fmt, name='xhat')
+    dy = dy4 if dy4.dtype == STAT_DTYPE else tf.cast(dy4, STAT_DTYPE)
+    xhat = xhat4 if xhat4.dtype == STAT_DTYPE else tf.cast(xhat4, STAT_DTYPE)
+    axes = reduction_axes(fmt)
+    return xhat4, tf.reduce_sum(dy * xhat, axes), tf.reduce_sum(dy, axes)
+
+
+def gradient_coefficients(gamma, var, count, grads_sum, epsilon, fmt, dtype=tf.float32):
+    """The per-channel coefficients of the input gradient, from the global sums.
+
+    With global ``dgamma = sum(dy * xhat)`` and ``dbeta = sum(dy)`` over
     ``n`` elements per channel::
 
         dx = gamma * r * (dy - dbeta / n - xhat * dgamma / n)
-           = dx_partial + xhat * (-gamma * r * dgamma / n) + (-gamma * r * dbeta / n)
+           = dy * dy_scale + xhat * xhat_scale + offset
 
-    The last two terms are a per-channel affine function of ``xhat``, computed
-    by one more fused kernel on ``x4`` (so ``x - mean`` is formed first and
-    keeps its precision).
+    A small-vector function: the portable kernel set compiles it with XLA.
+
+    Args:
+      gamma, var: float32 ``[C]``; count: float32 scalar.
+      grads_sum: float32 ``[2C]``, the all-reduced ``[dgamma, dbeta]``.
+      epsilon: Python float.
+      fmt: the layout ``dy_scale`` is shaped for.
+      dtype: the dtype of ``dy`` (that of ``dy_scale``).
+
+    Returns:
+      ``(dy_scale, xhat_scale, offset)``: ``dy_scale`` shaped to broadcast
+      against the canonical view, in ``dtype``; the other two float32 ``[C]``.
     """
-    r = tf.math.rsqrt(var + epsilon)
+    channels = gamma.shape[0]
+    dgamma, dbeta = grads_sum[:channels], grads_sum[channels:]
+    scale = gamma * tf.math.rsqrt(var + epsilon)
     inv_n = 1.0 / tf.maximum(count, 1.0)
-    scale = -gamma * r * dgamma * inv_n
-    offset = -gamma * r * dbeta * inv_n
-    corr, _, _, _, _, _ = gen_nn_ops.fused_batch_norm_v3(
-        x4, scale, offset, mean, var, epsilon=epsilon, data_format=fmt, is_training=False,
-        name='stats_grad')
-    return tf.add(dx_partial, corr, name='dx')
+    return (tf.cast(tf.reshape(scale, broadcast_shape(fmt, channels)), dtype),
+            -scale * dgamma * inv_n, -scale * dbeta * inv_n)
 
 
 def layout_broadcast_shape(rank, channels_last, channels):
@@ -328,108 +365,3 @@ def weighted_local_moments(xs4, fmt, weights=None):
     return count, mean, m2
 
 
-# --------------------------------------------------------------------------
-# Kernel sets: two implementations of the four steps of a synchronized training
-# step, chosen per tower device by :func:`kernels_for`. The engine runs
-#
-#   packed = moments(x4)                   -> all-reduce (sum) -> packed_sum
-#   y4, moments, saved = normalize(x4, packed_sum, gamma, beta)
-#   grads, dgamma, dbeta, state = backward_local(dy4, x4, gamma, saved)
-#                                          -> all-reduce (sum) -> grads_sum
-#   dx = backward_finish(state, dy4, x4, gamma, saved, grads_sum)
-#
-# ``packed`` is :func:`pack_moments`' float64 vector; ``grads`` is the float32
-# vector ``[sum(dy * xhat), sum(dy)]`` of length ``2C``.
-
-Moments = collections.namedtuple('Moments', ['mean', 'variance', 'count'])
-Moments.__doc__ = """Global batch statistics (float32, no gradient).
-
-Attributes:
-  mean: ``[C]`` mean over the global batch.
-  variance: ``[C]`` biased variance (``M2 / n``), the one used to normalize.
-  count: scalar, number of elements per channel in the global batch.
-"""
-
-
-class StockKernels(object):
-    """TensorFlow's own kernels (any device): fused kernels and small ops around them."""
-
-    name = 'stock'
-
-    def moments(self, x4, fmt):
-        """The packed float64 moments of the local batch (see robust_local_moments)."""
-        return pack_moments(*robust_local_moments(x4, fmt))
-
-    def normalize(self, x4, packed_sum, gamma, beta, epsilon, fmt):
-        """``(y4, moments, saved)``: the output, the global :class:`Moments`, and
-        what the backward steps need."""
-        channels = x4.shape[channel_axis(fmt)]
-        n64, mean64, var64 = unpack_moments(packed_sum, channels)
-        mean = tf.cast(mean64, STAT_DTYPE)
-        var = tf.cast(var64, STAT_DTYPE)
-        count = tf.cast(n64, STAT_DTYPE)
-        y4, reserve = normalize(x4, gamma, beta, mean, var, epsilon, fmt)
-        moments = Moments(tf.stop_gradient(mean), tf.stop_gradient(var),
-                          tf.stop_gradient(count))
-        return y4, moments, (mean, var, count, reserve)
-
-    def backward_local(self, dy4, x4, gamma, saved, epsilon, fmt):
-        """``(grads, dgamma, dbeta, state)``: the local sums, packed and apart, and
-        what backward_finish needs."""
-        mean, var, _, reserve = saved
-        dx_partial, dgamma, dbeta = backward_local(dy4, x4, gamma, mean, var, reserve,
-                                                   epsilon, fmt)
-        return tf.concat([dgamma, dbeta], 0, name='packed_grads'), dgamma, dbeta, dx_partial
-
-    def backward_finish(self, state, dy4, x4, gamma, saved, grads_sum, epsilon, fmt):
-        """The input gradient from the global sums."""
-        del dy4
-        mean, var, count, _ = saved
-        channels = x4.shape[channel_axis(fmt)]
-        return backward_finish(x4, state, gamma, mean, var, grads_sum[:channels],
-                               grads_sum[channels:], count, epsilon, fmt)
-
-
-class CustomCpuKernels(object):
-    """The compiled CPU kernels of :mod:`tf1_syncbn.kernels`: one op, one pass per step.
-
-    Their statistics outputs have no gradient (registered as such), like the
-    stock set's ``stop_gradient``.
-    """
-
-    name = 'custom'
-
-    def __init__(self, ops):
-        self._ops = ops
-
-    def moments(self, x4, fmt):
-        return self._ops.sync_bn_moments(x4, data_format=fmt, name='local_moments')
-
-    def normalize(self, x4, packed_sum, gamma, beta, epsilon, fmt):
-        y4, mean, var, count, inv_std = self._ops.sync_bn_normalize(
-            x4, packed_sum, gamma, beta, epsilon=epsilon, data_format=fmt, name='normalize')
-        return y4, Moments(mean, var, count), (mean, inv_std, count)
-
-    def backward_local(self, dy4, x4, gamma, saved, epsilon, fmt):
-        del gamma, epsilon
-        mean, inv_std, _ = saved
-        grads, dgamma, dbeta = self._ops.sync_bn_grad_sums(dy4, x4, mean, inv_std,
-                                                           data_format=fmt,
-                                                           name='backward_local')
-        return grads, dgamma, dbeta, None
-
-    def backward_finish(self, state, dy4, x4, gamma, saved, grads_sum, epsilon, fmt):
-        del state, epsilon
-        mean, inv_std, count = saved
-        return self._ops.sync_bn_grad_input(dy4, x4, mean, inv_std, gamma, grads_sum, count,
-                                            data_format=fmt, name='dx')
-
-
-def kernels_for(device):
-    """The kernel set for a tower on ``device`` (a canonical device string)."""
-    from tf1_syncbn import kernels  # noqa: PLC0415 - compiled lazily, on first use
-    device_type = tf.DeviceSpec.from_string(device or '').device_type
-    on_cpu = device_type == 'CPU' or (
-        not device_type and not tf.config.list_physical_devices('GPU'))
-    ops = kernels.load() if on_cpu else None
-    return CustomCpuKernels(ops) if ops is not None else StockKernels()

@@ -23,10 +23,10 @@ import re
 
 import tensorflow as tf
 
-from tf1_syncbn.timeouts import DEFAULT_TIMEOUT, validate_timeout
+from tf1_syncbn.timeouts import DEFAULT_TIMEOUT, op_timeout, validate_timeout
 
 __all__ = ['SyncBackend', 'SyncKey', 'CollectiveBackend', 'NcclBackend', 'HorovodBackend',
-           'stable_hash', 'DEFAULT_TIMEOUT', 'op_timeout', 'step_watchdog_available']
+           'stable_hash', 'DEFAULT_TIMEOUT', 'op_timeout']
 
 
 SyncKey = collections.namedtuple('SyncKey', ['name', 'layer', 'group_size', 'device'])
@@ -57,36 +57,43 @@ def device_type(device):
     return tf.DeviceSpec.from_string(device or '').device_type or ''
 
 
+def physical_gpu_count():
+    """The number of GPUs this process sees (after ``CUDA_VISIBLE_DEVICES``)."""
+    return len(tf.config.list_physical_devices('GPU'))
+
+
 def gpus_present():
     """Whether this process sees a physical GPU."""
-    return bool(tf.config.list_physical_devices('GPU'))
-
-
-def step_watchdog_available():
-    """Whether the compiled step watchdog can bound collective waits here.
-
-    It needs the compiled library (:mod:`tf1_syncbn.kernels`): one thread for
-    the whole process. Without it, collective ops carry TensorFlow's per-op
-    timeout, which starts two sleeping threads per collective execution for
-    the whole timeout.
-    """
-    from tf1_syncbn import kernels  # noqa: PLC0415 - compiled lazily, on first use
-    return kernels.library() is not None
-
-
-def op_timeout(timeout):
-    """The per-op ``timeout`` for TensorFlow's collective ops, given the step's timeout.
-
-    0 (none) when the step watchdog bounds the wait instead; ``timeout``
-    itself when the watchdog is unavailable.
-    """
-    return 0.0 if timeout > 0 and step_watchdog_available() else timeout
+    return physical_gpu_count() > 0
 
 
 def _is_local(device):
     """Whether ``device`` names this process (no job, or ``/job:localhost``)."""
     job = tf.DeviceSpec.from_string(device or '').job
     return job in (None, 'localhost')
+
+
+def check_local_gpu(layer, device, backend_name):
+    """Raises ``ValueError`` when ``device`` names a GPU of this process that does not exist.
+
+    With soft placement TensorFlow would quietly put such a tower on another
+    device, where it shares the device of another member (the all-reduce
+    would abort or wait for its timeout). Towers of other worker processes
+    (``/job:...``) are not checked here: their process checks its own.
+    """
+    if device_type(device) != 'GPU' or not _is_local(device):
+        return
+    present = physical_gpu_count()
+    if not present:
+        raise _missing_gpu_error(layer, device, backend_name)
+    index = tf.DeviceSpec.from_string(device).device_index or 0
+    if index >= present:
+        raise ValueError(
+            '%s: the tower is on %s, but this process sees %d GPU%s (GPU:0 to GPU:%d). Soft '
+            'placement would put it on another device, where it cannot synchronize with the '
+            "tower already there. Place tower i on '/gpu:<i>' with i < %d (check "
+            'CUDA_VISIBLE_DEVICES), or build fewer towers.'
+            % (layer, device, present, '' if present == 1 else 's', present - 1, present))
 
 
 def _missing_gpu_error(layer, device, backend_name):
@@ -121,11 +128,12 @@ class SyncBackend(object):
         del key
 
     def step_timeout(self):
-        """Seconds a step may wait in this backend's all-reduces (0: no bound).
+        """Seconds a step may run while one of this backend's all-reduces waits (0: no bound).
 
-        The layers arm the step watchdog (:mod:`tf1_syncbn.kernels`) with it
+        The layers arm the step watchdog (:mod:`tf1_syncbn._guards`) with it
         before the step's first all-reduce; past it, the step fails with
-        ``DeadlineExceededError``. Only collective ops can be aborted so.
+        ``DeadlineExceededError``. Only collective ops can be aborted so: other
+        backends return 0.
         """
         return 0.0
 
@@ -197,12 +205,11 @@ class CollectiveBackend(SyncBackend):
                 "%s: sync_statistics='collective' needs each tower on its own device, but this "
                 "tower has no device. Build towers under tf.device (for example with "
                 "tower.call_for_each_tower)." % key.layer)
-        if (key.group_size > 1 and device_type(key.device) == 'GPU' and _is_local(key.device)
-                and not gpus_present()):
-            raise _missing_gpu_error(key.layer, key.device, self.name)
+        if key.group_size > 1:
+            check_local_gpu(key.layer, key.device, self.name)
 
     def step_timeout(self):
-        return self.timeout if self.timeout > 0 and step_watchdog_available() else 0.0
+        return self.timeout
 
     def all_reduce(self, tensor, key, direction):
         from tensorflow.python.ops import collective_ops
@@ -235,8 +242,7 @@ class NcclBackend(SyncBackend):
                 "%s: sync_statistics='nccl' needs every tower on a GPU, but this tower is on "
                 "%r (NCCL has no CPU kernel). Use sync_statistics='collective' instead."
                 % (key.layer, key.device or 'no device'))
-        if not gpus_present():
-            raise _missing_gpu_error(key.layer, key.device, self.name)
+        check_local_gpu(key.layer, key.device, self.name)
 
     def shared_name(self, key, direction):
         return re.sub(r'[^A-Za-z0-9_./-]', '_', 'tf1_syncbn/%s/%s' % (key.name, direction))

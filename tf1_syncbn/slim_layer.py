@@ -5,7 +5,11 @@ from tf_slim.layers import utils as slim_utils
 from tf_slim.ops import variables as slim_variables
 from tf_slim.ops.arg_scope import add_arg_scope
 
-from tf1_syncbn import _layer_core as core
+from tf1_syncbn._core import batch_norm
+from tf1_syncbn._options import (check_dict_keys, check_graph_mode, check_inputs, check_options,
+                                 replaced_layer_is_fused)
+from tf1_syncbn._variables import (FINETUNE_COUNTERS, Params, RenormVariables,
+                                   zero_debias_variables)
 
 __all__ = ['sync_batch_norm']
 
@@ -171,74 +175,81 @@ def sync_batch_norm(inputs,
     Raises:
       ValueError, TypeError: on invalid configuration or input, at graph build.
     """
-    core.check_graph_mode('sync_batch_norm')
-    config = core.Config(
-        layer='sync_batch_norm', inputs=inputs, data_format=data_format,
-        is_training=is_training, momentum=decay, epsilon=epsilon, center=center,
-        scale=scale, batch_weights=batch_weights, fused=fused, renorm=renorm,
-        renorm_clipping=renorm_clipping, renorm_momentum=renorm_decay,
-        adjustment=adjustment, num_dev=num_dev, sync_statistics=sync_statistics,
-        zero_debias=zero_debias_moving_mean,
-        arg_names={'momentum': 'decay', 'renorm_momentum': 'renorm_decay'})
-    initializers = core.check_dict_keys(config.layer, 'param_initializers',
-                                        param_initializers, _PARAM_INITIALIZER_KEYS)
-    regularizers = core.check_dict_keys(config.layer, 'param_regularizers',
-                                        param_regularizers, _PARAM_REGULARIZER_KEYS)
-
+    check_graph_mode('sync_batch_norm')
+    initializers = check_dict_keys('sync_batch_norm', 'param_initializers', param_initializers,
+                                   _PARAM_INITIALIZER_KEYS)
+    regularizers = check_dict_keys('sync_batch_norm', 'param_regularizers', param_regularizers,
+                                   _PARAM_REGULARIZER_KEYS)
     with tf1.variable_scope(scope, 'BatchNorm', [inputs], reuse=reuse) as sc:
-        config.layer = 'sync_batch_norm(%s)' % sc.name
-        config.validate()
+        options = check_options(
+            'sync_batch_norm(%s)' % sc.name,
+            arg_names={'momentum': 'decay', 'renorm_momentum': 'renorm_decay',
+                       'zero_debias': 'zero_debias_moving_mean'},
+            data_format=data_format, is_training=is_training, momentum=decay, epsilon=epsilon,
+            center=center, scale=scale, fused=fused, renorm=renorm,
+            renorm_clipping=renorm_clipping, renorm_momentum=renorm_decay, adjustment=adjustment,
+            num_dev=num_dev, sync_statistics=sync_statistics,
+            zero_debias=zero_debias_moving_mean)
+        x, layout = check_inputs(options, inputs)
         slim_fused, keras_fused = slim_runs_fused_kernel(
-            fused, config.inputs.shape.ndims, batch_weights, renorm, adjustment,
-            zero_debias_moving_mean, updates_collections)
-        config.set_replaced_path(slim_fused, float32_decay=keras_fused)
-        channels = config.channels
-
-        def make(name, initializer, trainable_var, regularizer=None):
-            return slim_variables.model_variable(
-                name, shape=[channels], dtype=tf.float32, initializer=initializer,
-                regularizer=regularizer, trainable=trainable_var,
-                collections=slim_utils.get_variable_collections(variables_collections, name))
-
-        # beta and gamma follow the scope's partitioner, as in slim.
-        beta = gamma = None
-        if center:
-            beta = make('beta', initializers.get('beta', tf1.zeros_initializer()), trainable,
-                        regularizers.get('beta'))
-        if scale:
-            gamma = make('gamma', initializers.get('gamma', tf1.ones_initializer()), trainable,
-                         regularizers.get('gamma'))
-        # The statistics never are (slim clears the partitioner for them).
-        with tf1.variable_scope(tf1.get_variable_scope()) as unpartitioned:
-            unpartitioned.set_partitioner(None)
-            mean_init = initializers.get('moving_mean', tf1.zeros_initializer())
-            var_init = initializers.get('moving_variance', tf1.ones_initializer())
-            moving_mean = make('moving_mean', mean_init, False)
-            moving_var = make('moving_variance', var_init, False)
-            renorm_vars = None
-            if renorm:
-                renorm_vars = core.RenormVariables.create(
-                    lambda name, init: make(name, init, False), mean_init, var_init)
-            counter = None
-            if finetune is not None:
-                counter = slim_variables.model_variable(
-                    'finetune_count', shape=[], dtype=tf.float32,
-                    initializer=tf1.zeros_initializer(), trainable=False,
-                    collections=[core.FINETUNE_COUNTERS] + list(
-                        slim_utils.get_variable_collections(variables_collections,
-                                                            'finetune_count') or []))
-            debias = None
-            if zero_debias_moving_mean and is_training is not False:
-                # slim's non-fused path makes every variable of its scope a model
-                # variable; its fused path does not.
-                debias = core.zero_debias_variables(moving_mean, model_variables=not slim_fused)
-        outputs = core.batch_norm(
-            config, core.Params(beta, gamma, moving_mean, moving_var, renorm_vars, counter,
-                                debias),
-            updates_collections=updates_collections, finetune=finetune)
+            fused, layout.rank, batch_weights, renorm, adjustment, zero_debias_moving_mean,
+            updates_collections)
+        options = options.with_replaced_path(slim_fused, float32_decay=keras_fused)
+        params = _slim_variables(layout.channels, options, initializers, regularizers,
+                                 variables_collections, trainable, finetune,
+                                 zero_debias_moving_mean and is_training is not False,
+                                 debias_model_variables=not slim_fused)
+        outputs = batch_norm(x, layout, options, params, batch_weights=batch_weights,
+                             updates_collections=updates_collections, finetune=finetune)
         if activation_fn is not None:
             outputs = activation_fn(outputs)
         return slim_utils.collect_named_outputs(outputs_collections, sc.name, outputs)
+
+
+def _slim_variables(channels, options, initializers, regularizers, variables_collections,
+                    trainable, finetune, zero_debias, debias_model_variables):
+    """The layer's variables, named and collected as slim does, in the current scope.
+
+    ``beta`` and ``gamma`` follow the scope's partitioner, as in slim; the
+    statistics never are partitioned (slim clears the partitioner for them).
+    """
+    def make(name, initializer, trainable_var, regularizer=None):
+        return slim_variables.model_variable(
+            name, shape=[channels], dtype=tf.float32, initializer=initializer,
+            regularizer=regularizer, trainable=trainable_var,
+            collections=slim_utils.get_variable_collections(variables_collections, name))
+
+    beta = gamma = None
+    if options.center:
+        beta = make('beta', initializers.get('beta', tf1.zeros_initializer()), trainable,
+                    regularizers.get('beta'))
+    if options.scale:
+        gamma = make('gamma', initializers.get('gamma', tf1.ones_initializer()), trainable,
+                     regularizers.get('gamma'))
+    with tf1.variable_scope(tf1.get_variable_scope()) as unpartitioned:
+        unpartitioned.set_partitioner(None)
+        mean_init = initializers.get('moving_mean', tf1.zeros_initializer())
+        var_init = initializers.get('moving_variance', tf1.ones_initializer())
+        moving_mean = make('moving_mean', mean_init, False)
+        moving_var = make('moving_variance', var_init, False)
+        renorm_vars = None
+        if options.renorm:
+            renorm_vars = RenormVariables.create(lambda name, init: make(name, init, False),
+                                                 mean_init, var_init)
+        counter = None
+        if finetune is not None:
+            counter = slim_variables.model_variable(
+                'finetune_count', shape=[], dtype=tf.float32,
+                initializer=tf1.zeros_initializer(), trainable=False,
+                collections=[FINETUNE_COUNTERS] + list(
+                    slim_utils.get_variable_collections(variables_collections,
+                                                        'finetune_count') or []))
+        debias = None
+        if zero_debias:
+            # slim's non-fused path makes every variable of its scope a model
+            # variable; its fused path does not.
+            debias = zero_debias_variables(moving_mean, model_variables=debias_model_variables)
+    return Params(beta, gamma, moving_mean, moving_var, renorm_vars, counter, debias)
 
 
 def slim_runs_fused_kernel(fused, rank, batch_weights, renorm, adjustment, zero_debias,
@@ -257,10 +268,10 @@ def slim_runs_fused_kernel(fused, rank, batch_weights, renorm, adjustment, zero_
 
     Returns:
       ``(fused, keras_fused)``: whether the fused kernel runs (see
-      :func:`tf1_syncbn._layer_core.replaced_layer_is_fused`), and whether it
+      :func:`tf1_syncbn._options.replaced_layer_is_fused`), and whether it
       runs inside Keras' layer, which computes ``1 - decay`` in float32.
     """
     keras_path = updates_collections is tf1.GraphKeys.UPDATE_OPS and not zero_debias
-    is_fused = core.replaced_layer_is_fused(fused, rank, (2, 4, 5) if keras_path else (2, 4),
+    is_fused = replaced_layer_is_fused(fused, rank, (2, 4, 5) if keras_path else (2, 4),
                                             (batch_weights, renorm, adjustment))
     return is_fused, is_fused and keras_path and rank in (4, 5)

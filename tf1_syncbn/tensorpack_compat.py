@@ -25,6 +25,7 @@ __all__ = ['patch_tensorpack', 'tensorpack_layer']
 
 _LAYER_NAMES = ('BatchNorm', 'BatchRenorm')
 _DEFAULTS = {}          # layer name -> default keyword arguments of the active patches
+_LAYERS = {}            # layer name -> this library's layer, as @tensorpack_layer wrapped it
 _LOCK = threading.Lock()
 
 
@@ -53,6 +54,7 @@ def tensorpack_layer(func):
 
     layer.__argscope_enabled__ = True
     layer.use_scope = True
+    _LAYERS[func.__name__] = layer
     return layer
 
 
@@ -143,9 +145,9 @@ def patch_tensorpack(sync_statistics=None, **defaults):
     from tensorpack.models import batch_norm as tp_batch_norm  # noqa: PLC0415
     from tensorpack.models import registry as tp_registry  # noqa: PLC0415
 
-    from tf1_syncbn import tensorpack_layer  # noqa: PLC0415
-
-    ours = {'BatchNorm': tensorpack_layer.BatchNorm, 'BatchRenorm': tensorpack_layer.BatchRenorm}
+    # The layers register themselves when tf1_syncbn.tensorpack_layer is
+    # imported (importing tf1_syncbn does): no import of that module here.
+    ours = {name: _LAYERS[name] for name in _LAYER_NAMES}
     theirs = {name: getattr(tp_batch_norm, name) for name in _LAYER_NAMES}
     if any(f is ours[name] for name, f in theirs.items()):
         raise RuntimeError('patch_tensorpack: tensorpack is already patched; restore the '

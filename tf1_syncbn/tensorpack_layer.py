@@ -6,7 +6,10 @@ import types
 
 import tensorflow as tf
 
-from tf1_syncbn import _layer_core as core
+from tf1_syncbn._core import batch_norm
+from tf1_syncbn._options import (check_graph_mode, check_inputs, check_options,
+                                 replaced_layer_is_fused)
+from tf1_syncbn._variables import FINETUNE_COUNTERS, Params, RenormVariables
 from tf1_syncbn.tensorpack_compat import tensorpack_layer
 from tower import get_current_tower_context
 
@@ -72,8 +75,8 @@ def _finetune_counter(finetune):
         unpartitioned.set_partitioner(None)  # counters are never partitioned
         counter = tf1.get_variable('finetune_count', [], tf.float32, tf1.zeros_initializer(),
                                    trainable=False)
-    if counter not in tf1.get_collection(core.FINETUNE_COUNTERS):
-        tf1.add_to_collection(core.FINETUNE_COUNTERS, counter)
+    if counter not in tf1.get_collection(FINETUNE_COUNTERS):
+        tf1.add_to_collection(FINETUNE_COUNTERS, counter)
     return counter
 
 
@@ -94,7 +97,7 @@ def start_finetuning(graph=None):
     """
     graph = graph or tf1.get_default_graph()
     with graph.as_default():
-        counters = tf1.get_collection(core.FINETUNE_COUNTERS)
+        counters = tf1.get_collection(FINETUNE_COUNTERS)
         return tf.group(*[tf1.assign(c, tf.zeros_like(c)) for c in counters],
                         name='start_finetuning')
 
@@ -142,10 +145,10 @@ def tensorpack_runs_fused_kernel(rank, dtype, virtual_batch_size):
     N synchronized towers equal one device.
 
     Returns:
-      See :func:`tf1_syncbn._layer_core.replaced_layer_is_fused`.
+      See :func:`tf1_syncbn._options.replaced_layer_is_fused`.
     """
     hint = rank == 4 or dtype == tf.float16
-    return core.replaced_layer_is_fused(hint, rank, (4, 5), (virtual_batch_size,))
+    return replaced_layer_is_fused(hint, rank, (4, 5), (virtual_batch_size,))
 
 
 def _holder(**variables):
@@ -234,20 +237,20 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_UNSET, epsilo
       and ``variance``/``moving_variance``.
     """
     layer = 'BatchNorm(%r)' % (name,)
-    core.check_graph_mode(layer)
-    options = {'momentum': momentum, 'center': center, 'scale': scale,
-               'gamma_initializer': gamma_initializer, 'training': _UNSET}
-    spelled = _apply_legacy_names(layer, legacy_kwargs, options)
+    check_graph_mode(layer)
+    values = {'momentum': momentum, 'center': center, 'scale': scale,
+              'gamma_initializer': gamma_initializer, 'training': _UNSET}
+    spelled = _apply_legacy_names(layer, legacy_kwargs, values)
     spelled['is_training'] = spelled.pop('training', 'training')
-    if options['training'] is not _UNSET:
+    if values['training'] is not _UNSET:
         if training is not None:
             raise TypeError("%s: pass either 'training' or 'use_local_stat', not both." % layer)
-        training = options['training']
+        training = values['training']
     defaults = {'momentum': 0.9, 'center': True, 'scale': True,
                 'gamma_initializer': tf1.ones_initializer()}
     for key, value in defaults.items():
-        if options[key] is _UNSET:
-            options[key] = value
+        if values[key] is _UNSET:
+            values[key] = value
     if ema_update not in _EMA_UPDATES:
         raise ValueError('%s: ema_update must be one of %s, got %r.'
                          % (layer, _EMA_UPDATES, ema_update))
@@ -259,37 +262,34 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_UNSET, epsilo
     beta_initializer = beta_initializer or tf1.zeros_initializer()
 
     with tf1.variable_scope(name) as vs:
-        config = core.Config(
-            layer='BatchNorm(%s)' % vs.name, inputs=inputs,
-            data_format=_DATA_FORMATS[data_format], is_training=training,
-            momentum=options['momentum'], epsilon=epsilon, center=options['center'],
-            scale=options['scale'], sync_statistics=sync_statistics, axis=axis,
-            virtual_batch_size=virtual_batch_size if training is not False else None,
-            arg_names=spelled)
-        config.validate()
-        fused = tensorpack_runs_fused_kernel(config.inputs.shape.ndims,
-                                             config.inputs.dtype.base_dtype,
-                                             config.virtual_batch_size)
+        options = check_options(
+            'BatchNorm(%s)' % vs.name, arg_names=spelled,
+            data_format=_DATA_FORMATS[data_format], axis=axis, is_training=training,
+            momentum=values['momentum'], epsilon=epsilon, center=values['center'],
+            scale=values['scale'], sync_statistics=sync_statistics,
+            virtual_batch_size=virtual_batch_size if training is not False else None)
+        x, layout = check_inputs(options, inputs)
+        fused = tensorpack_runs_fused_kernel(layout.rank, x.dtype.base_dtype,
+                                             options.virtual_batch_size)
         # Keras' fused path computes 1 - momentum in float32.
-        config.set_replaced_path(fused, float32_decay=fused)
-        channels = config.channels
-        beta = _get_variable('beta', channels, beta_initializer) if options['center'] \
-            else None
-        gamma = _get_variable('gamma', channels, options['gamma_initializer']) \
-            if options['scale'] else None
+        options = options.with_replaced_path(fused, float32_decay=fused)
+        channels = layout.channels
+        beta = _get_variable('beta', channels, beta_initializer) if options.center else None
+        gamma = _get_variable('gamma', channels, values['gamma_initializer']) \
+            if options.scale else None
         moving_mean = _get_variable('mean/EMA', channels, tf1.zeros_initializer(), False)
         moving_var = _get_variable('variance/EMA', channels, tf1.ones_initializer(), False)
         _add_model_variables(ctx, (moving_mean, moving_var))
-        params = core.Params(beta, gamma, moving_mean, moving_var,
-                             finetune_count=_finetune_counter(finetune))
+        params = Params(beta, gamma, moving_mean, moving_var,
+                        finetune_count=_finetune_counter(finetune))
         collections = [tf1.GraphKeys.UPDATE_OPS]
         if ema_update == 'internal' or sync_statistics is not None:
             collections = None
         # As tensorpack's layer: a prediction tower that is asked for batch
         # statistics (training=True) updates the moving statistics too.
-        out = core.batch_norm(config, params, updates_collections=collections,
-                              update_moving=ema_update != 'skip', finetune=finetune,
-                              prediction_towers_update=True)
+        out = batch_norm(x, layout, options, params, updates_collections=collections,
+                         update_moving=ema_update != 'skip', finetune=finetune,
+                         prediction_towers_update=True)
         out = tf.identity(out, name='output')
     _attach_variables(out, beta=beta, gamma=gamma, moving_mean=moving_mean,
                       mean=moving_mean, moving_variance=moving_var, variance=moving_var)
@@ -354,42 +354,43 @@ def BatchRenorm(name, x, rmax, dmax, *, momentum=0.9, epsilon=1e-5, center=True,
       A tensor named ``<name>/output`` with the shape of ``x``.
     """
     layer = 'BatchRenorm(%r)' % (name,)
-    core.check_graph_mode(layer)
-    options = {'momentum': _UNSET, 'center': _UNSET, 'scale': _UNSET,
-               'gamma_initializer': _UNSET}
-    spelled = _apply_legacy_names(layer, legacy_kwargs, options)
+    check_graph_mode(layer)
+    values = {'momentum': _UNSET, 'center': _UNSET, 'scale': _UNSET,
+              'gamma_initializer': _UNSET}
+    spelled = _apply_legacy_names(layer, legacy_kwargs, values)
     explicit = {'momentum': momentum, 'center': center, 'scale': scale,
                 'gamma_initializer': gamma_initializer}
     for key, value in explicit.items():
-        if options[key] is _UNSET:
-            options[key] = value
+        if values[key] is _UNSET:
+            values[key] = value
     ctx, training = _check_format_and_training(layer, data_format, training)
     with tf1.variable_scope(name) as vs:
-        config = core.Config(
-            layer='BatchRenorm(%s)' % vs.name, inputs=x, data_format=_DATA_FORMATS[data_format],
-            is_training=training, momentum=options['momentum'], epsilon=epsilon,
-            center=options['center'], scale=options['scale'], renorm=True,
-            renorm_clipping={'rmin': _reciprocal(rmax), 'rmax': rmax, 'dmax': dmax},
-            renorm_momentum=0.99, sync_statistics=sync_statistics,
+        options = check_options(
+            'BatchRenorm(%s)' % vs.name,
             arg_names=dict(spelled, is_training='training', rmax='rmax', dmax='dmax',
-                           rmin='1 / rmax'))
-        config.validate()
+                           rmin='1 / rmax'),
+            data_format=_DATA_FORMATS[data_format], is_training=training,
+            momentum=values['momentum'], epsilon=epsilon, center=values['center'],
+            scale=values['scale'], renorm=True,
+            renorm_clipping={'rmin': _reciprocal(rmax), 'rmax': rmax, 'dmax': dmax},
+            renorm_momentum=0.99, sync_statistics=sync_statistics)
+        x, layout = check_inputs(options, x)
         # tensorpack builds Keras' layer with fused=False.
-        config.set_replaced_path(False)
-        channels = config.channels
-        gamma_init = options['gamma_initializer'] or tf1.ones_initializer()
+        options = options.with_replaced_path(False)
+        channels = layout.channels
+        gamma_init = values['gamma_initializer'] or tf1.ones_initializer()
         beta = _get_variable('beta', channels, tf1.zeros_initializer()) \
-            if options['center'] else None
-        gamma = _get_variable('gamma', channels, gamma_init) if options['scale'] else None
+            if options.center else None
+        gamma = _get_variable('gamma', channels, gamma_init) if options.scale else None
         mean_init, var_init = tf1.zeros_initializer(), tf1.ones_initializer()
         moving_mean = _get_variable('moving_mean', channels, mean_init, False)
         moving_var = _get_variable('moving_variance', channels, var_init, False)
-        renorm_vars = core.RenormVariables.create(
+        renorm_vars = RenormVariables.create(
             lambda n, init: _get_variable(n, channels, init, False), mean_init, var_init)
         _add_model_variables(ctx, (moving_mean, moving_var) + tuple(renorm_vars))
-        params = core.Params(beta, gamma, moving_mean, moving_var, renorm_vars)
+        params = Params(beta, gamma, moving_mean, moving_var, renorm_vars)
         collections = None if sync_statistics is not None else [tf1.GraphKeys.UPDATE_OPS]
-        out = tf.identity(core.batch_norm(config, params, updates_collections=collections),
-                          name='output')
+        out = tf.identity(batch_norm(x, layout, options, params,
+                                     updates_collections=collections), name='output')
     _attach_variables(out, beta=beta, gamma=gamma)
     return out

@@ -15,11 +15,14 @@ through :func:`validate_timeout`, so that each means the same thing:
 NaN, negative numbers, booleans and non-numbers are ``ValueError``.
 """
 
+import contextlib
 import math
 import numbers
 import os
+import threading
 
-__all__ = ['DEFAULT_TIMEOUT', 'MAX_TIMEOUT', 'validate_timeout', 'timeout_from_environment']
+__all__ = ['DEFAULT_TIMEOUT', 'MAX_TIMEOUT', 'validate_timeout', 'timeout_from_environment',
+           'watched', 'op_timeout']
 
 #: The largest finite timeout, in seconds (about 31.7 years); larger ones are clamped.
 MAX_TIMEOUT = 1e9
@@ -79,3 +82,31 @@ def timeout_from_environment(environ=None):
 #: :mod:`tf1_syncbn` is imported; 0 or ``inf`` wait forever).
 #: ``CollectiveBackend(timeout=...)`` overrides it per layer.
 DEFAULT_TIMEOUT = timeout_from_environment()
+
+
+_LOCAL = threading.local()
+
+
+@contextlib.contextmanager
+def watched(flag=True):
+    """Collectives built in the block are bounded by an armed step watchdog.
+
+    :func:`op_timeout` then gives them no per-op timeout of their own (see
+    :mod:`tf1_syncbn._guards`, which arms the watchdog).
+    """
+    previous = getattr(_LOCAL, 'watched', False)
+    _LOCAL.watched = bool(flag)
+    try:
+        yield
+    finally:
+        _LOCAL.watched = previous
+
+
+def op_timeout(timeout):
+    """The per-op ``timeout`` of a collective op being built, given the step's timeout.
+
+    0 (none) inside :func:`watched`, where the step watchdog bounds the wait;
+    ``timeout`` itself elsewhere, so that no collective is ever unbounded
+    when a timeout was asked for.
+    """
+    return 0.0 if getattr(_LOCAL, 'watched', False) else timeout

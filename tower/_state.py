@@ -1,8 +1,13 @@
 """Per-graph state for tower contexts and the layers that read them.
 
-State lives in a ``WeakKeyDictionary`` keyed by the ``tf.Graph`` it belongs
-to, so two graphs never see each other's towers or counters, and the state is
-freed together with its graph. Nothing here is global across graphs.
+State lives on the ``tf.Graph`` it belongs to, as one attribute of the graph
+object (:data:`_ATTRIBUTE`), so two graphs never see each other's towers or
+counters. Nothing here is global across graphs, and nothing outside the graph
+refers to the state: state that holds the graph's own ops (the layers'
+registries do) only makes a reference cycle through the graph, which Python's
+garbage collector frees with it. A module-level map from graphs to their
+state would keep every graph alive through the ops its values hold, even with
+weak keys.
 
 The branches of ``tf.cond``/``tf.while_loop`` (control flow v2) and traced
 functions are built in ``FuncGraph``s nested in the model's graph; they share
@@ -10,11 +15,10 @@ the state of their outermost graph, since they are part of the same model.
 """
 
 import threading
-import weakref
 
 import tensorflow as tf
 
-_STATES = weakref.WeakKeyDictionary()
+_ATTRIBUTE = '_tf1_syncbn_graph_state'
 _LOCK = threading.Lock()
 
 
@@ -79,8 +83,8 @@ def get_graph_state(graph=None):
     """Returns the :class:`GraphState` of ``graph``'s outermost graph (default: current)."""
     graph = root_graph(graph)
     with _LOCK:
-        state = _STATES.get(graph)
+        state = getattr(graph, _ATTRIBUTE, None)
         if state is None:
             state = GraphState()
-            _STATES[graph] = state
+            setattr(graph, _ATTRIBUTE, state)
         return state

@@ -472,6 +472,8 @@ class StepWatchdog {
   bool started_ = false;
 };
 
+constexpr double kMaxTimeoutSeconds = 1e9;
+
 class SyncBnStepWatchdogOp : public OpKernel {
  public:
   explicit SyncBnStepWatchdogOp(OpKernelConstruction* c) : OpKernel(c) {
@@ -483,9 +485,16 @@ class SyncBnStepWatchdogOp : public OpKernel {
     CollectiveExecutor* executor = ctx->collective_executor();
     CancellationManager* cancellation = ctx->cancellation_manager();
     // No collective executor: the step runs no collective, nothing can wait.
-    if (executor == nullptr || cancellation == nullptr || timeout_ <= 0) return;
+    // A timeout that is not a positive finite number means "no deadline".
+    if (executor == nullptr || cancellation == nullptr || !(timeout_ > 0) ||
+        !std::isfinite(timeout_)) {
+      return;
+    }
+    // Deadlines are kept in int64 nanoseconds: clamp so that they never overflow
+    // (the Python side clamps to the same 1e9 s, about 31 years).
+    const double seconds = std::min<double>(timeout_, kMaxTimeoutSeconds);
     StepWatchdog& watchdog = StepWatchdog::Get();
-    const int64_t id = watchdog.Arm(executor, timeout_, message_);
+    const int64_t id = watchdog.Arm(executor, seconds, message_);
     // The step's cancellation manager runs its callbacks when the step is
     // cancelled and when it is destroyed at the end of the step.
     const CancellationToken token = cancellation->get_cancellation_token();

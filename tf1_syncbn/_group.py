@@ -1,0 +1,178 @@
+"""Which tower a layer call is built in, and which group it synchronizes with.
+
+The layers never ask a harness directly: :func:`tower.get_current_tower_context`
+gives this library's ``TowerContext`` or another harness's tower (tensorpack's,
+a ``tf.distribute`` replica) through :mod:`tower.harness`, and a name scope
+gives the tower of scripts without tower objects (``tower_<i>``,
+``clone_<i>``, registered patterns). :func:`find_group` reads them;
+:func:`choose_backend` turns ``sync_statistics`` into a backend for that
+group, and refuses, or warns, rather than normalize with one tower's
+statistics when the group cannot be told.
+"""
+
+import collections
+import warnings
+
+import tensorflow as tf
+
+from tf1_syncbn import backends
+from tf1_syncbn._registry import base_name, get_registry
+from tower import get_current_tower_context, tower_index_from_name
+from tower._state import full_name_scope, get_graph_state
+
+tf1 = tf.compat.v1
+
+__all__ = ['Group', 'find_group', 'choose_backend', 'SyncBNWarning', 'canonical_device',
+           'current_device']
+
+
+class SyncBNWarning(UserWarning):
+    """A synchronized layer that cannot synchronize (see the message for the fix)."""
+
+
+class Group(collections.namedtuple('Group', ['ctx', 'index', 'towers', 'main', 'call'])):
+    """Where a layer call is built.
+
+    Attributes:
+      ctx: the tower context (this library's, or another harness's seen
+        through :class:`tower.harness.HarnessTowerContext`), or None.
+      index: the tower's index (0 outside any tower).
+      towers: the number of towers of this graph in the group: the context's
+        ``total``, or ``num_dev`` for name-scope towers, 1 outside any tower,
+        and None when the name scope says "tower" but nothing says how many.
+      main: whether this call builds the moving-average updates (the main
+        training tower).
+      call: the call's name, the same in every tower (see
+        :meth:`tf1_syncbn._registry.CallRegistry.call_name`).
+    """
+
+
+def canonical_device(device):
+    """Canonical form of a device string ('' stays '')."""
+    if not device:
+        return ''
+    return tf.DeviceSpec.from_string(device).to_string()
+
+
+def current_device():
+    """The canonical device that ops built here are placed on (the innermost tf.device).
+
+    Device functions (``replica_device_setter``) decide per op, so an op is
+    built to ask: one ``NoOp`` named ``device_probe``.
+    """
+    return canonical_device(tf.no_op(name='device_probe').device)
+
+
+def find_group(options, prediction_towers_update=False):
+    """Finds this call's tower, its index and the number of towers in its group.
+
+    In order: a tower context (this library's, tensorpack's, a
+    ``tf.distribute`` replica's); else a tower name scope (``tower<i>``,
+    ``tower_<i>``, ``clone_<i>`` or a registered pattern), with ``num_dev``
+    giving the number of towers; else a single tower.
+
+    Args:
+      options: the layer's :class:`~tf1_syncbn._options.Options`.
+      prediction_towers_update: whether a call with batch statistics in a
+        prediction tower updates the moving statistics (tensorpack's layers
+        do; slim's run in training towers only).
+
+    Returns:
+      A :class:`Group`.
+
+    Raises:
+      ValueError: when ``num_dev`` disagrees with the tower context or the
+        name scope, or ``num_dev > 1`` for a training call outside any tower.
+    """
+    ctx = get_current_tower_context()
+    num_dev = options.num_dev
+    if ctx is not None:
+        if num_dev is not None and num_dev != ctx.total:
+            raise options.error('%s=%d disagrees with the %d towers of %r; drop %s or fix it.'
+                                % (options.arg('num_dev'), num_dev, ctx.total, ctx,
+                                   options.arg('num_dev')))
+        index, towers = ctx.index, ctx.total
+        main = ctx.is_main_training_tower or (prediction_towers_update and not ctx.is_training)
+    else:
+        scope = full_name_scope()
+        index = tower_index_from_name(scope)
+        if num_dev is None:
+            towers = 1 if index is None else None
+        else:
+            towers = num_dev
+            if index is None and num_dev > 1 and options.is_training is not False:
+                raise options.error(
+                    '%s=%d but the layer is built outside any tower (name scope %r): build '
+                    'each tower in tower.TowerContext (or call_for_each_tower), or under a name '
+                    'scope tower<i>, tower_<i> or clone_<i> (or a pattern registered with '
+                    'tower.register_tower_pattern), so that the tower index is known.'
+                    % (options.arg('num_dev'), num_dev, scope))
+            if index is not None and index >= num_dev:
+                raise options.error('the name scope %r says tower %d but %s=%d.'
+                                    % (scope, index, options.arg('num_dev'), num_dev))
+        index = index or 0
+        main = index == 0
+    call = get_registry().call_name(towers, index,
+                                    base_name(tf1.get_variable_scope().name, ctx))
+    return Group(ctx, index, towers, main, call)
+
+
+def _is_auto(spec):
+    return isinstance(spec, str) and spec.lower() == 'auto'
+
+
+def choose_backend(options, group, device):
+    """The backend that synchronizes a training call of ``group`` on ``device``, or None.
+
+    Returns:
+      A :class:`~tf1_syncbn.SyncBackend`, or None for this tower's statistics
+      alone (``sync_statistics=None``, one tower, or ``'auto'`` in a tower of
+      unknown group, which warns).
+
+    Raises:
+      ValueError: when ``sync_statistics`` names a backend but the number of
+        towers is unknown (no tower context and no ``num_dev``): the layer
+        never falls back to per-tower statistics silently.
+    """
+    spec = options.sync_statistics
+    if spec is None:
+        return None
+    if group.towers is None:
+        # A name scope says "tower <i>", but nothing says how many towers.
+        if not _is_auto(spec):
+            raise _unknown_group_error(options, spec)
+        _warn_once(options, 'its name scope %r looks like tower %d of a multi-tower graph, '
+                   'but the number of towers is unknown, so it normalizes with this '
+                   "tower's statistics alone (no synchronization). Pass num_dev=<number of "
+                   'towers> to synchronize, build the towers in tower.TowerContext, or pass '
+                   'sync_statistics=None to keep per-tower statistics and silence this '
+                   'warning.' % (full_name_scope(), group.index))
+        return None
+    backend = backends.resolve(spec, options.layer, device, group.towers)
+    if backend is None:
+        return None
+    if group.ctx is None and options.num_dev is None and not backend.implicit_single_tower:
+        raise _unknown_group_error(options, spec)
+    return backend
+
+
+def _unknown_group_error(options, spec):
+    return options.error(
+        '%s=%r asks for synchronized statistics, but the layer cannot tell how many towers '
+        'synchronize: it is built outside any tower context (name scope %r) and %s is not '
+        "given. Build the towers in tower.TowerContext / tower.call_for_each_tower (or "
+        "tensorpack's trainers, or a tf.distribute strategy's run()), or pass "
+        '%s=<number of towers in this graph> (1 for one tower) and build tower i under a name '
+        'scope tower<i>, tower_<i> or clone_<i> (or a pattern added with '
+        'tower.register_tower_pattern).'
+        % (options.arg('sync_statistics'), spec, full_name_scope(), options.arg('num_dev'),
+           options.arg('num_dev')))
+
+
+def _warn_once(options, message):
+    """Warns once per graph and layer."""
+    warned = get_graph_state().slot('tf1_syncbn.warned', set)
+    if options.layer in warned:
+        return
+    warned.add(options.layer)
+    warnings.warn('%s: %s' % (options.layer, message), SyncBNWarning, stacklevel=5)

@@ -1,0 +1,95 @@
+"""The synchronization plan of one layer call: the only way to build its collectives.
+
+Every way of computing training statistics (the fast fused op, the
+differentiable slow path of renorm / batch weights / adjustment /
+``fused=False``, ghost batches) receives a :class:`SyncPlan`, or None for
+this tower's statistics alone, and builds its all-reduces with
+:meth:`SyncPlan.all_reduce`. The plan carries the checks that must precede
+any collective of the step (the run-time check that every tower was built,
+and the step watchdog, :mod:`tf1_syncbn._guards`), so no path can build a
+collective without them.
+"""
+
+import collections
+
+import tensorflow as tf
+
+from tf1_syncbn import _guards, timeouts
+from tf1_syncbn._group import choose_backend, current_device
+from tf1_syncbn._registry import get_registry
+from tf1_syncbn.backends import SyncKey
+from tower import TowerContext
+
+__all__ = ['SyncPlan', 'plan_sync']
+
+
+class SyncPlan(collections.namedtuple('SyncPlan', ['backend', 'key', 'guards', 'watched'])):
+    """How one call synchronizes (frozen).
+
+    Attributes:
+      backend: the :class:`~tf1_syncbn.SyncBackend`.
+      key: the call's :class:`~tf1_syncbn.SyncKey` (its name is the same in
+        every tower; its device is this tower's).
+      guards: the ops every collective of the call waits for.
+      watched: whether the step watchdog bounds those collectives (they then
+        carry no per-op timeout).
+    """
+
+    @property
+    def group_size(self):
+        """The number of all-reduce members."""
+        return self.key.group_size
+
+    @property
+    def device(self):
+        """This member's canonical device ('' when unplaced)."""
+        return self.key.device
+
+    def all_reduce(self, tensor, direction):
+        """The sum of ``tensor`` over the group, after the guards.
+
+        Args:
+          tensor: the tensor to sum (same shape and dtype on every member).
+          direction: ``'forward'`` or ``'backward'``; every member builds the
+            same directions, so each names one collective of the group.
+        """
+        with tf.control_dependencies(self.guards), timeouts.watched(self.watched):
+            return self.backend.all_reduce(tensor, self.key, direction)
+
+
+def plan_sync(options, group):
+    """Plans a training call's synchronization, or returns None for local statistics.
+
+    Chooses the backend (:func:`tf1_syncbn._group.choose_backend`), builds the
+    call's key, checks it with the backend (devices, GPUs), registers the
+    member with the graph's :class:`~tf1_syncbn._registry.CallRegistry`
+    (which raises on conflicts between towers) and gets the step's guards.
+
+    Args:
+      options: the layer's :class:`~tf1_syncbn._options.Options`.
+      group: the call's :class:`~tf1_syncbn._group.Group`.
+
+    Returns:
+      A :class:`SyncPlan`, or None (no synchronization: ``sync_statistics``
+      None, a single member, or ``'auto'`` in an unknown group, which warns).
+
+    Raises:
+      ValueError: see :func:`~tf1_syncbn._group.choose_backend`, the
+        backend's ``check`` and :meth:`~tf1_syncbn._registry.CallRegistry.register`.
+    """
+    if options.sync_statistics is None:
+        return None
+    device = current_device()
+    backend = choose_backend(options, group, device)
+    if backend is None:
+        return None
+    group_size = backend.group_size(group.towers)
+    if group_size == 1:
+        return None
+    key = SyncKey(name=group.call, layer=tf.compat.v1.get_variable_scope().name,
+                  group_size=group_size, device=device)
+    backend.check(key)
+    get_registry().register(key, group.index, group.towers, backend,
+                            track=isinstance(group.ctx, TowerContext))
+    guards, watched = _guards.step_guards(device, backend.step_timeout())
+    return SyncPlan(backend, key, guards, watched)

@@ -1,0 +1,153 @@
+"""The variables of one layer, as the core reads them.
+
+Front-ends create the variables with their own library's names and
+collections (slim: ``BatchNorm/gamma``, tensorpack: ``mean/EMA``, tf.layers:
+``batch_normalization/moving_mean``) and hand them to the core in a
+:class:`Params`. This module holds what is the same for every front-end: the
+renorm variables, the zero-debias shadows of a moving mean, and the
+collection of fine-tune counters.
+
+A variable may come through a ``custom_getter`` of the enclosing variable
+scope, which returns a *transformed* value instead of the variable (fake
+quantization, for example). The core reads every variable through
+:func:`read` and updates the moving statistics through :func:`assignable`:
+the transformed value is what the layer computes with, the variable under it
+is what the update assigns.
+"""
+
+import collections
+
+import tensorflow as tf
+
+tf1 = tf.compat.v1
+
+__all__ = ['Params', 'RenormVariables', 'FINETUNE_COUNTERS', 'zero_debias_variables', 'read',
+           'assignable']
+
+#: Collection of the batch counters of fine-tune mode (see start_finetuning).
+FINETUNE_COUNTERS = 'tf1_syncbn_finetune_counters'
+
+Params = collections.namedtuple('Params', ['beta', 'gamma', 'moving_mean', 'moving_variance',
+                                           'renorm', 'finetune_count', 'zero_debias'],
+                                defaults=(None, None, None))
+Params.__doc__ = """The variables of one layer (``beta``/``gamma`` may be None).
+
+``beta`` and ``gamma`` may be partitioned; the others never are.
+
+Attributes:
+  renorm: :class:`RenormVariables` or None.
+  finetune_count: the batch counter of fine-tune mode, or None.
+  zero_debias: ``(biased, local_step)`` of a zero-debiased moving mean (see
+    :func:`zero_debias_variables`), or None.
+"""
+
+
+class RenormVariables(collections.namedtuple('RenormVariables',
+                                             ['mean', 'stddev', 'moving_stddev'])):
+    """Variables of Batch Renormalization, named as in Keras (and so slim, tensorpack).
+
+    ``renorm_mean`` and ``renorm_stddev`` give ``r`` and ``d``; the inference
+    statistics are tracked as ``moving_stddev``, from which ``moving_variance``
+    is derived (``moving_stddev**2 - epsilon``).
+    """
+
+    @classmethod
+    def create(cls, make, mean_initializer, variance_initializer):
+        """Creates them with ``make(name, initializer)``.
+
+        Args:
+          make: creates one float32 ``[C]`` non-trainable variable.
+          mean_initializer: the initializer of ``moving_mean``.
+          variance_initializer: the initializer of ``moving_variance``; the
+            standard deviations start at its square root.
+        """
+        def stddev_initializer(*args, **kwargs):
+            return tf.sqrt(variance_initializer(*args, **kwargs))
+
+        moving_stddev = make('moving_stddev', stddev_initializer)
+        return cls(make('renorm_mean', mean_initializer),
+                   make('renorm_stddev', stddev_initializer), moving_stddev)
+
+
+def read(value):
+    """The value a layer computes with: a variable's, or what a getter returned, as a tensor."""
+    return None if value is None else tf.convert_to_tensor(value)
+
+
+def assignable(value):
+    """The variable under ``value`` for an update (``value`` itself when it is one).
+
+    A ``custom_getter`` that transforms a moving statistic returns a tensor
+    computed from the variable; the moving-average update must assign the
+    variable itself. The variable is found by walking back from the tensor
+    through the ops that read it (``ReadVariableOp`` of a resource variable,
+    the ref of a ref variable).
+
+    Raises:
+      TypeError: when no variable can be found under ``value``.
+    """
+    if isinstance(value, tf.Variable) or hasattr(value, 'assign_sub'):
+        return value
+    found = _variable_under(value)
+    if found is None:
+        raise TypeError(
+            'a moving statistic came out of a custom_getter as %r, which is computed from no '
+            'variable of this graph, so its moving average cannot be updated. Return a value '
+            'computed from the variable the getter receives (getter(name, *args, **kwargs)).'
+            % (value,))
+    return found
+
+
+def _variable_under(tensor):
+    """The global variable whose value ``tensor`` is computed from (breadth first), or None."""
+    graph = tensor.graph
+    with graph.as_default():
+        by_handle = {}
+        for v in tf1.global_variables() + tf1.local_variables():
+            handle = getattr(v, 'handle', None)
+            if handle is not None:
+                by_handle[handle.op.name] = v
+            by_handle.setdefault(v.op.name, v)
+    queue, seen = [tensor.op], set()
+    while queue:
+        op = queue.pop(0)
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        if op.name in by_handle:
+            return by_handle[op.name]
+        queue.extend(t.op for t in op.inputs)
+    return None
+
+
+def zero_debias_variables(moving_mean, model_variables):
+    """Creates the shadow variables of a zero-debiased moving mean.
+
+    Named as ``assign_moving_average(..., zero_debias=True)`` names them:
+    ``<scope>/<moving_mean's name>/biased`` and ``.../local_step`` (for example
+    ``BatchNorm/BatchNorm/moving_mean/biased``). Call it in the layer's
+    variable scope; they are never partitioned.
+
+    Args:
+      moving_mean: the moving-mean variable.
+      model_variables: also add them to ``MODEL_VARIABLES``. slim does on its
+        non-fused path (whose scope makes every variable a model variable),
+        not on its fused one.
+
+    Returns:
+      ``(biased, local_step)``.
+    """
+    collections_ = [tf1.GraphKeys.GLOBAL_VARIABLES]
+    if model_variables:
+        collections_.append(tf1.GraphKeys.MODEL_VARIABLES)
+    variable = assignable(moving_mean)
+    dtype = variable.dtype.base_dtype
+    with tf1.variable_scope(variable.op.name) as scope, tf1.colocate_with(variable.op):
+        scope.set_partitioner(None)
+        biased = tf1.get_variable('biased', shape=variable.shape, dtype=dtype,
+                                  initializer=tf1.zeros_initializer(), trainable=False,
+                                  collections=collections_)
+        local_step = tf1.get_variable('local_step', shape=[], dtype=dtype,
+                                      initializer=tf1.zeros_initializer(), trainable=False,
+                                      collections=collections_)
+    return biased, local_step
