@@ -18,13 +18,19 @@ FullyConnected) for a few SGD steps with:
   calls tensorpack's ``BatchNorm`` by name, switched to tf1_syncbn's by
   ``tf1_syncbn.patch_tensorpack()`` and nothing else, under the PS trainer;
 
-then scores a held-out batch twice with tensorpack's ``OfflinePredictor`` on
-the ``ps<N>`` checkpoint. Everything tensorpack does is tensorpack's own code,
+each for every layout in ``CONFIG['data_formats']`` (``channels_last``, and
+``channels_first``, run names ending in ``-nchw``: the layer on a transposed
+NCHW tensor, since CPU convolutions are NHWC only); then scores a held-out batch
+twice with tensorpack's ``OfflinePredictor`` on the ``ps<N>`` checkpoint. The
+kernel set is the environment's (``TF1_SYNCBN_KERNELS``, and
+``TF_ENABLE_ONEDNN_OPTS``); each run records how many compiled-kernel ops its
+graph has. Everything tensorpack does is tensorpack's own code,
 with one override, documented at ``_towers_on_virtual_cpus``. It writes
 ``OUT_DIR/result.npz`` (losses, checkpoint variables, predictor outputs) and
 ``OUT_DIR/result.json`` (op counts, layer types).
 """
 
+import faulthandler
 import json
 import os
 import sys
@@ -40,13 +46,22 @@ from tensorpack import (BatchData, BatchNorm, Callback, Conv2D, DataFromList, Fu
 from tensorpack.graph_builder import training as tp_training
 
 import tf1_syncbn
+from tf1_syncbn import kernels as tf1_syncbn_kernels
 from tower import virtual_cpu_config
+from without_onednn import error_summary
 
 tf1 = tf.compat.v1
 OUT = sys.argv[1]
 CONFIG = json.loads(sys.argv[2])
+# A run that hangs (a deadlock no collective timeout covers, such as one in
+# tensorpack's input pipeline) prints every thread's stack and exits, so that
+# the test fails saying where, instead of waiting for the subprocess timeout.
+faulthandler.dump_traceback_later(CONFIG.get('hang_seconds', 240), exit=True)
 STEPS = CONFIG['steps']
 GLOBAL_BATCH = CONFIG['global_batch']
+DATA_FORMATS = CONFIG.get('data_formats', ['channels_last'])
+SUFFIX = {'channels_last': '', 'channels_first': '-nchw'}
+KERNEL_OPS = ('SyncBnMoments', 'SyncBnNormalize', 'SyncBnGradSums', 'SyncBnGradInput')
 MOMENTUM = 0.8
 SHAPE = (6, 6, 3)
 CLASSES = 4
@@ -86,19 +101,34 @@ W_CONV = (rng.randn(3, 3, SHAPE[-1], 8) * 0.3).astype(np.float32)
 W_FC = (rng.randn(8, CLASSES) * 0.3).astype(np.float32)
 
 
-def tensorpack_bn(name, x):
-    return BatchNorm(name, x, momentum=MOMENTUM)
+def tensorpack_bn(name, x, data_format='channels_last'):
+    return BatchNorm(name, x, momentum=MOMENTUM, data_format=data_format)
 
 
-def synced_bn(name, x):
-    return tf1_syncbn.BatchNorm(name, x, momentum=MOMENTUM, sync_statistics='collective')
+def synced_bn(name, x, data_format='channels_last'):
+    return tf1_syncbn.BatchNorm(name, x, momentum=MOMENTUM, sync_statistics='collective',
+                                data_format=data_format)
+
+
+def _to_nchw(x):
+    return tf.transpose(x, [0, 3, 1, 2])
+
+
+def _to_nhwc(x):
+    return tf.transpose(x, [0, 2, 3, 1])
 
 
 class Model(ModelDesc):
     """A conv net written with explicit layer calls; ``bn`` is the batch norm."""
 
-    def __init__(self, bn):
+    def __init__(self, bn, data_format='channels_last'):
         self._bn = bn
+        self._data_format = data_format
+
+    def _normalize(self, x):
+        if self._data_format == 'channels_first':
+            return _to_nhwc(self._bn('bn', _to_nchw(x), data_format='channels_first'))
+        return self._bn('bn', x)
 
     def inputs(self):
         return [tf.TensorSpec((None,) + SHAPE, tf.float32, 'input'),
@@ -107,7 +137,7 @@ class Model(ModelDesc):
     def build_graph(self, image, label):
         x = Conv2D('conv', image, 8, 3, activation=tf.identity, use_bias=False,
                    kernel_initializer=tf1.constant_initializer(W_CONV))
-        x = tf.nn.relu(self._bn('bn', x))
+        x = tf.nn.relu(self._normalize(x))
         x = GlobalAvgPooling('gap', x)
         logits = FullyConnected('fc', x, CLASSES, kernel_initializer=tf1.constant_initializer(W_FC))
         return _cost(logits, label)
@@ -119,16 +149,19 @@ class Model(ModelDesc):
 class LinearWrapModel(Model):
     """The same net as tensorpack's examples write it: argscope + LinearWrap, BatchNorm by name."""
 
-    def __init__(self):
-        super(LinearWrapModel, self).__init__(None)
+    def __init__(self, data_format='channels_last'):
+        super(LinearWrapModel, self).__init__(None, data_format)
 
     def build_graph(self, image, label):
-        with argscope(BatchNorm, momentum=MOMENTUM), \
-                argscope([Conv2D, BatchNorm], data_format='channels_last'):
+        first = self._data_format == 'channels_first'
+        with argscope(BatchNorm, momentum=MOMENTUM, data_format=self._data_format), \
+                argscope(Conv2D, data_format='channels_last'):
             logits = (LinearWrap(image)
                       .Conv2D('conv', 8, 3, activation=tf.identity, use_bias=False,
                               kernel_initializer=tf1.constant_initializer(W_CONV))
+                      .apply(_to_nchw if first else tf.identity)
                       .BatchNorm('bn')
+                      .apply(_to_nhwc if first else tf.identity)
                       .tf.nn.relu()
                       .GlobalAvgPooling('gap')
                       .FullyConnected('fc', CLASSES,
@@ -155,6 +188,8 @@ class RecordLosses(Callback):
         self._sink['towers_with_cost'] = len(self._costs)
         self._sink['collectives'] = sum(1 for op in graph.get_operations()
                                         if op.type == 'CollectiveReduce')
+        self._sink['kernel_ops'] = sum(1 for op in graph.get_operations()
+                                       if op.type in KERNEL_OPS)
         self._sink['tower_bn_variables'] = sorted(
             v.op.name for v in tf1.global_variables() + tf1.local_variables()
             if v.op.name.startswith('tower') and '/bn/' in v.op.name)
@@ -227,26 +262,41 @@ def argscope_channels_first():
 def main():
     results, info = {}, {'argscope': argscope_channels_first()}
 
-    def keep(name, sink, variables):
+    def keep(name, build):
+        """Runs one training run; a failing run records its error (the tests name it)."""
+        try:
+            sink, variables = build()
+        except Exception as e:  # noqa: BLE001 - reported by that run's test
+            info[name] = {'error': '%s:\n%s' % (type(e).__name__, error_summary(str(e)))}
+            return
         results['losses/' + name] = np.array(sink['losses'])
         for k, v in variables.items():
             results['var/%s/%s' % (name, k)] = v
         info[name] = {k: v for k, v in sink.items() if k != 'losses'}
 
-    keep('reference', *train('reference', Model(tensorpack_bn), SimpleTrainer(), 1))
-    for n in CONFIG['towers']:
-        keep('ps%d' % n, *train('ps%d' % n, Model(synced_bn),
-                                SyncMultiGPUTrainerParameterServer(n), n))
-        keep('replicated%d' % n, *train('replicated%d' % n, Model(synced_bn),
-                                        SyncMultiGPUTrainerReplicated(n, mode='cpu'), n))
-        with tf1_syncbn.patch_tensorpack(sync_statistics='collective') as patch:
-            info.setdefault('patched_modules', patch.patched_modules)
-            keep('patched%d' % n, *train('patched%d' % n, LinearWrapModel(),
+    info['kernels'] = tf1_syncbn_kernels.status()
+    for fmt in DATA_FORMATS:
+        suffix = SUFFIX[fmt]
+        keep('reference' + suffix, lambda: train('reference' + suffix,
+                                                 Model(tensorpack_bn, fmt), SimpleTrainer(), 1))
+        for n in CONFIG['towers']:
+            name = 'ps%d%s' % (n, suffix)
+            keep(name, lambda: train(name, Model(synced_bn, fmt),
+                                     SyncMultiGPUTrainerParameterServer(n), n))
+            name = 'replicated%d%s' % (n, suffix)
+            keep(name, lambda: train(name, Model(synced_bn, fmt),
+                                     SyncMultiGPUTrainerReplicated(n, mode='cpu'), n))
+            name = 'patched%d%s' % (n, suffix)
+            with tf1_syncbn.patch_tensorpack(sync_statistics='collective') as patch:
+                info.setdefault('patched_modules', patch.patched_modules)
+                keep(name, lambda: train(name, LinearWrapModel(fmt),
                                          SyncMultiGPUTrainerParameterServer(n), n))
     info['restored'] = BatchNorm is sys.modules['tensorpack'].BatchNorm and \
         'tf1_syncbn' not in BatchNorm.__module__
-    for k, v in predict(info['ps%d' % CONFIG['towers'][0]]['checkpoint']).items():
-        results['predict/' + k] = v
+    checkpoint = info['ps%d' % CONFIG['towers'][0]].get('checkpoint')
+    if checkpoint:
+        for k, v in predict(checkpoint).items():
+            results['predict/' + k] = v
     np.savez(os.path.join(OUT, 'result.npz'), **results)
     with open(os.path.join(OUT, 'result.json'), 'w') as f:
         json.dump(info, f)

@@ -59,7 +59,7 @@ _TELLING = re.compile(r'Error|[A-Z]{4,}_?[A-Z]*: |Mismatch|Max (absolute|relativ
                       r'tower\(s\)|assert ')
 
 
-def _short(text, limit=1200):
+def error_summary(text, limit=1200):
     """What names the problem: the error lines of a report, without the tracebacks.
 
     TensorFlow's errors carry long "defined at" tracebacks before the line
@@ -135,7 +135,7 @@ def run_stock_cases_without_onednn(module, tmp_path, expected, extra_env=None, t
         len(bad), len(cases), os.path.basename(module))
     by_error = collections.OrderedDict()   # cases that fail the same way, together
     for name, outcome, text in bad:
-        by_error.setdefault('%s:\n%s' % (outcome, _short(text)), []).append(name)
+        by_error.setdefault('%s:\n%s' % (outcome, error_summary(text)), []).append(name)
     details = '\n\n'.join('%s\n  %s' % ('\n'.join('  ' + n for n in names), error)
                           for error, names in by_error.items())
     assert not bad, '%s:\n\n%s' % (summary, details)
