@@ -83,19 +83,48 @@ def test_incomplete_tower_context_group_fails_at_the_first_run(graph):
         assert time.time() - start < 60   # long before the collective timeout
 
 
-def test_complete_groups_pass_the_run_time_check_once(graph):
-    xs, ys = [], []
+def _two_towers(scope, xs=None):
+    xs = [ph() for _ in range(2)] if xs is None else xs
+    ys = []
     for i in range(2):
         with tf.device('/cpu:%d' % i), TowerContext('tower%d' % i, index=i, total=2):
-            x = ph()
-            xs.append(x)
-            ys.append(sync_batch_norm(x, scope='bn', sync_statistics='collective'))
+            ys.append(sync_batch_norm(xs[i], scope=scope, sync_statistics='collective'))
+    return xs, ys
+
+
+def test_complete_groups_pass_the_run_time_check_once(graph, monkeypatch):
+    """One small check op per host, whose Python check is cached once it passes.
+
+    The check looks for towers that were never built (the registry's
+    ``missing_towers``) in the first run only; later runs reuse the verdict
+    until another synchronized call is registered.
+    """
+    from tf1_syncbn._registry import get_registry  # noqa: PLC0415 - the check's own state
+    xs, ys = _two_towers('bn')
     checks = [op for op in graph.get_operations() if op.name == 'tf1_syncbn_check_towers']
     assert len(checks) == 1   # one per host, not per layer or tower
+    registry = get_registry(graph)
+    calls = []
+    original = registry.missing_towers
+
+    def counted(names=None):
+        if names is None:   # every group: the run-time check (the build-time one names them)
+            calls.append(names)
+        return original(names)
+
+    monkeypatch.setattr(registry, 'missing_towers', counted)
+    feed = {x: np.ones((2, 3)) for x in xs}
     with make_session(graph, 2) as sess:
         sess.run(tf1.global_variables_initializer())
+        for _ in range(3):
+            sess.run(ys, feed)
+        assert len(calls) == 1, 'the passed check ran again: %d checks in 3 runs' % len(calls)
+        # A new synchronized call invalidates the verdict: checked once more, then cached.
+        _, ys2 = _two_towers('bn2', xs)
+        sess.run(tf1.variables_initializer(tf1.global_variables('bn2')))
         for _ in range(2):
-            sess.run(ys, {x: np.ones((2, 3)) for x in xs})
+            sess.run(ys2, feed)
+        assert len(calls) == 2, calls
 
 
 def test_eager_mode_is_a_clear_error():

@@ -12,6 +12,7 @@ from conftest import make_session
 from legacy_reference import run_reference
 from tf1_syncbn import (BatchNorm, BatchRenorm, CollectiveBackend, start_finetuning,
                         sync_batch_norm)
+from tf1_syncbn import tensorpack_layer
 from tower import TowerContext, call_for_each_tower
 
 tf1 = tf.compat.v1
@@ -112,15 +113,29 @@ def test_prediction_towers_update_only_when_asked_for_batch_statistics(graph):
     assert [op for op in graph.get_operations() if op.name.startswith('pred2/bn2/AssignMovingAvg')]
 
 
-def test_frozen_statistics_warn_once(graph, caplog):
+def test_frozen_statistics_warn_once(graph, caplog, monkeypatch):
+    # The warning is once per process: forget earlier tests' warnings, so that
+    # this test sees the first one (and fails when none is given).
+    monkeypatch.setattr(tensorpack_layer, '_WARNED', set())
     with caplog.at_level(logging.WARNING, logger='tf1_syncbn'):
         for i in range(2):
             with TowerContext('tower%d' % i, index=i, total=2):
                 x = tf1.placeholder(tf.float32, [None, 3])
                 BatchNorm('bn1', x, training=False)
                 BatchNorm('bn2', x, training=False)
-    assert len([r for r in caplog.records if 'frozen' in r.message]) <= 1
+    frozen = [r for r in caplog.records if 'frozen' in r.getMessage()]
+    assert len(frozen) == 1, [r.getMessage() for r in caplog.records]
+    assert frozen[0].levelno == logging.WARNING
+    assert 'training=False' in frozen[0].getMessage()
     assert not tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
+    # Outside a training tower (prediction), or with batch statistics: no warning.
+    caplog.clear()
+    monkeypatch.setattr(tensorpack_layer, '_WARNED', set())
+    with caplog.at_level(logging.WARNING, logger='tf1_syncbn'):
+        with TowerContext('pred', is_training=False):
+            BatchNorm('bn3', tf1.placeholder(tf.float32, [None, 3]), training=False)
+        BatchNorm('bn4', tf1.placeholder(tf.float32, [None, 3]), training=True)
+    assert not [r for r in caplog.records if 'frozen' in r.getMessage()]
 
 
 def _updates(graph, ema_update, sync):
