@@ -143,7 +143,8 @@ def train_case(apply, case, index, sizes):
         y_eval = apply(tf.cast(x_eval, dtype), None, False, None, towers)
         loss = tf.add_n([tf.reduce_sum(tf.cast(y, tf.float32) * dy) for y, dy in zip(ys, dys)])
         variables = tf1.trainable_variables()
-        grads = tf.gradients(loss, xs + variables)
+        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                 for g in tf.gradients(loss, xs + variables)]   # (through tf.gather: sparse)
         with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
             if variables:
                 train = tf1.train.GradientDescentOptimizer(LEARNING_RATE).apply_gradients(
