@@ -463,3 +463,24 @@ def test_finetune_counter_in_a_partitioned_scope(graph):
         sync_batch_norm(tf1.placeholder(tf.float32, [None, 4]), finetune=True, scope='sbn')
     names = [v.op.name for v in tf1.global_variables()]
     assert 'net/bn/finetune_count' in names and 'net/sbn/finetune_count' in names
+
+
+@pytest.mark.parametrize('how', ['default', 'None', 'gamma_init=None'])
+def test_batch_renorm_gamma_starts_at_ones_without_an_initializer(graph, how):
+    """The README: ``BatchRenorm(gamma_initializer=None)`` starts ``gamma`` at ones.
+
+    (tensorpack passes None on to Keras, whose default for a weight is the
+    random ``glorot_uniform``: a wrong default here would give values in
+    (-sqrt(6 / 2C), sqrt(6 / 2C)), never all ones.) An initializer that is
+    given is used.
+    """
+    x = tf1.placeholder(tf.float32, [None, 2, 2, 16])
+    kwargs = {'default': {}, 'None': {'gamma_initializer': None},
+              'gamma_init=None': {'gamma_init': None}}[how]
+    y = BatchRenorm('brn', x, 3.0, 5.0, **kwargs)
+    given = BatchRenorm('brn2', x, 3.0, 5.0, gamma_initializer=tf1.constant_initializer(2.5))
+    with make_session(graph, 1) as sess:
+        sess.run(tf1.global_variables_initializer())
+        gamma, gamma2 = sess.run([y.variables.gamma, given.variables.gamma])
+    np.testing.assert_array_equal(gamma, np.ones(16, np.float32))
+    np.testing.assert_array_equal(gamma2, np.full(16, 2.5, np.float32))
