@@ -46,7 +46,7 @@ kernels: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	-$(PY) -m tf1_syncbn.kernels
-	$(PY) examples/train_multitower.py $(DEMO_ARGS)
+	$(PY) examples/train_multitower.py --overwrite $(DEMO_ARGS)
 
 # pytest.ini adds -rs (skip reasons) and a 300 s limit per test (pytest-timeout,
 # from setup.py's test extra).

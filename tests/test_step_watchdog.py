@@ -109,3 +109,44 @@ def test_without_the_library_collectives_carry_tensorflows_timeout(tmp_path):
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split('\n')[-2] == 'None [7.0] []'
+
+
+def test_sessions_closed_right_after_a_timed_out_step_do_not_crash_the_process():
+    """The watchdog's abort used to outlive its step: a session closed at once was freed under it.
+
+    TensorFlow's StartAbort wakes the step's waiting collectives, so the step
+    could end, and the test close and free its session, while the watchdog
+    thread was still inside StartAbort, reading the freed session
+    (``std::bad_alloc`` or a segmentation fault in about half of the runs of
+    a few timeouts). Now the step's clean-up waits for the abort. Run in a
+    child process, so that a crash is a failure and not the end of the suite.
+    """
+    code = '''
+import gc
+import numpy as np
+import tensorflow as tf
+tf.compat.v1.disable_eager_execution()
+from bn_reference import towers_skipping_a_layer
+from tf1_syncbn import CollectiveBackend
+from tower import virtual_cpu_config
+for _ in range(8):
+    graph = tf.Graph()
+    with graph.as_default():
+        xs, ys = towers_skipping_a_layer(CollectiveBackend(timeout=0.5))
+        sess = tf.compat.v1.Session(config=virtual_cpu_config(2))
+        sess.run(tf.compat.v1.global_variables_initializer())
+        try:
+            sess.run(ys, {x: np.ones((2, 3)) for x in xs})
+        except tf.errors.DeadlineExceededError:
+            pass
+        sess.close()
+    del sess, graph, xs, ys
+    gc.collect()
+print('survived')
+'''
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3',
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, 'tests')]))
+    out = subprocess.run([sys.executable, '-c', code], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=240)
+    assert out.returncode == 0 and out.stdout.strip() == 'survived', \
+        (out.returncode, out.stderr[-3000:])

@@ -46,6 +46,7 @@
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
 
@@ -391,6 +392,19 @@ Status VectorOfChannels(InferenceContext* c, int input, DimensionHandle* channel
 // One thread for the whole process watches the deadlines of the running
 // steps. Allocated once and never destroyed, so that the detached thread
 // never outlives its mutex at exit.
+//
+// Lifetime: a step's collective executor is referenced while its deadline is
+// armed, but the executor's manager (owned by the session) is not, and
+// CollectiveExecutor::StartAbort reads it. StartAbort wakes the step's
+// pending collectives, so the step can end, and its session close, while
+// StartAbort still runs here (TensorFlow's own per-op timeout is safe only
+// because its op stays pending until its StartAbort returns). So an entry
+// stays in the table while it is being aborted, and every step disarms its
+// deadline in the clean-up of its step container (StepDisarm below), on the
+// thread that ends the step, which waits until an abort in progress is over:
+// no step, and so no session, finishes under a running StartAbort. (The
+// step's cancellation callback also disarms, early, when the step fails;
+// called from within the abort itself, on this thread, it cannot wait.)
 class StepWatchdog {
  public:
   using Clock = std::chrono::steady_clock;
@@ -407,22 +421,37 @@ class StepWatchdog {
                                              std::chrono::duration<double>(seconds));
     std::lock_guard<std::mutex> lock(mu_);
     if (!started_) {
-      std::thread([this] { Loop(); }).detach();
+      std::thread([this] {
+        {
+          std::lock_guard<std::mutex> started(mu_);
+          loop_thread_ = std::this_thread::get_id();
+        }
+        Loop();
+      }).detach();
       started_ = true;
     }
     const int64_t id = next_id_++;
-    entries_[id] = Entry{deadline, executor, message};
+    entries_[id] = Entry{deadline, executor, message, false};
     cv_.notify_one();
     return id;
   }
 
-  // The step ended (or is being cancelled) before its deadline.
-  void Disarm(int64_t id) {
+  // The step ended (or is being cancelled): forget its deadline. If the
+  // deadline has fired and its abort is running, `wait` waits until it is
+  // over: only the step's clean-up, which runs after every op of the step
+  // has finished, may wait (a cancellation callback may run inside the abort
+  // itself, or hold what the abort needs).
+  void Disarm(int64_t id, bool wait) {
     CollectiveExecutor* executor = nullptr;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::unique_lock<std::mutex> lock(mu_);
       auto it = entries_.find(id);
       if (it == entries_.end()) return;
+      if (it->second.aborting) {
+        if (!wait || std::this_thread::get_id() == loop_thread_) return;
+        aborted_cv_.wait(lock, [this, id] { return entries_.find(id) == entries_.end(); });
+        return;
+      }
       executor = it->second.executor;
       entries_.erase(it);
     }
@@ -439,40 +468,62 @@ class StepWatchdog {
     Clock::time_point deadline;
     CollectiveExecutor* executor;
     std::string message;
+    bool aborting;
   };
 
   void Loop() {
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
-      if (entries_.empty()) {
+      auto next = entries_.end();
+      for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+        if (!it->second.aborting &&
+            (next == entries_.end() || it->second.deadline < next->second.deadline)) {
+          next = it;
+        }
+      }
+      if (next == entries_.end()) {
         cv_.wait(lock);
         continue;
-      }
-      auto next = entries_.begin();
-      for (auto it = entries_.begin(); it != entries_.end(); ++it) {
-        if (it->second.deadline < next->second.deadline) next = it;
       }
       if (Clock::now() < next->second.deadline) {
         cv_.wait_until(lock, next->second.deadline);
         continue;
       }
-      Entry expired = next->second;
-      entries_.erase(next);
+      const int64_t id = next->first;
+      CollectiveExecutor* executor = next->second.executor;
+      const std::string message = next->second.message;
+      next->second.aborting = true;
       lock.unlock();
-      expired.executor->StartAbort(absl::DeadlineExceededError(expired.message));
-      expired.executor->Unref();
+      executor->StartAbort(absl::DeadlineExceededError(message));
+      executor->Unref();  // before the step may end: see the class comment
       lock.lock();
+      entries_.erase(id);
+      aborted_cv_.notify_all();
     }
   }
 
   std::mutex mu_;
   std::condition_variable cv_;
+  std::condition_variable aborted_cv_;
   std::map<int64_t, Entry> entries_;
   int64_t next_id_ = 0;
   bool started_ = false;
+  std::thread::id loop_thread_;
 };
 
 constexpr double kMaxTimeoutSeconds = 1e9;
+
+// Disarms a step's deadline when the step's container is cleaned up, at the
+// end of the step, waiting for an abort in progress (see StepWatchdog).
+class StepDisarm : public ResourceBase {
+ public:
+  explicit StepDisarm(int64_t id) : id_(id) {}
+  ~StepDisarm() override { StepWatchdog::Get().Disarm(id_, /*wait=*/true); }
+  std::string DebugString() const override { return "tf1_syncbn step watchdog disarm"; }
+
+ private:
+  const int64_t id_;
+};
 
 class SyncBnStepWatchdogOp : public OpKernel {
  public:
@@ -493,13 +544,27 @@ class SyncBnStepWatchdogOp : public OpKernel {
     // Deadlines are kept in int64 nanoseconds: clamp so that they never overflow
     // (the Python side clamps to the same 1e9 s, about 31 years).
     const double seconds = std::min<double>(timeout_, kMaxTimeoutSeconds);
+    ScopedStepContainer* step_container = ctx->step_container();
+    if (step_container == nullptr) {
+      // Without a step container nothing tells this process when the step
+      // ends: arm nothing (the collectives then simply have no deadline).
+      return;
+    }
     StepWatchdog& watchdog = StepWatchdog::Get();
     const int64_t id = watchdog.Arm(executor, seconds, message_);
-    // The step's cancellation manager runs its callbacks when the step is
-    // cancelled and when it is destroyed at the end of the step.
+    const std::string name = "tf1_syncbn_step_watchdog_" + std::to_string(id);
+    const Status created =
+        step_container->Create(ctx->resource_manager(), name, new StepDisarm(id));
+    if (!created.ok()) {
+      watchdog.Disarm(id, /*wait=*/false);
+      ctx->SetStatus(created);
+      return;
+    }
+    // A failed or cancelled step disarms at once (its clean-up disarms again).
     const CancellationToken token = cancellation->get_cancellation_token();
-    if (!cancellation->RegisterCallback(token, [id] { StepWatchdog::Get().Disarm(id); })) {
-      watchdog.Disarm(id);  // already cancelled
+    if (!cancellation->RegisterCallback(
+            token, [id] { StepWatchdog::Get().Disarm(id, /*wait=*/false); })) {
+      watchdog.Disarm(id, /*wait=*/false);  // already cancelled
     }
   }
 
