@@ -20,11 +20,13 @@ FullyConnected) for a few SGD steps with:
 
 each for every layout in ``CONFIG['data_formats']`` (``channels_last``, and
 ``channels_first``, run names ending in ``-nchw``: the layer on a transposed
-NCHW tensor, since CPU convolutions are NHWC only); then scores a held-out batch
-twice with tensorpack's ``OfflinePredictor`` on the ``ps<N>`` checkpoint. The
-kernel set is the environment's (``TF1_SYNCBN_KERNELS``, and
-``TF_ENABLE_ONEDNN_OPTS``); each run records how many compiled-kernel ops its
-graph has. Everything tensorpack does is tensorpack's own code,
+NCHW tensor, since CPU convolutions are NHWC only), and for every kernel set
+in ``CONFIG['kernel_sets']`` (``custom``: the compiled CPU kernels; ``stock``:
+TensorFlow's, run names ending in ``@stock``; switched in-process with
+``tf1_syncbn.kernels.use_custom_kernels``; oneDNN follows the environment's
+``TF_ENABLE_ONEDNN_OPTS``). Each run records how many compiled-kernel ops its
+graph has. Then it scores a held-out batch twice with tensorpack's
+``OfflinePredictor`` on the first ``ps<N>`` checkpoint. Everything tensorpack does is tensorpack's own code,
 with one override, documented at ``_towers_on_virtual_cpus``. It writes
 ``OUT_DIR/result.npz`` (losses, checkpoint variables, predictor outputs) and
 ``OUT_DIR/result.json`` (op counts, layer types).
@@ -60,7 +62,8 @@ faulthandler.dump_traceback_later(CONFIG.get('hang_seconds', 240), exit=True)
 STEPS = CONFIG['steps']
 GLOBAL_BATCH = CONFIG['global_batch']
 DATA_FORMATS = CONFIG.get('data_formats', ['channels_last'])
-SUFFIX = {'channels_last': '', 'channels_first': '-nchw'}
+KERNEL_SETS = CONFIG.get('kernel_sets', ['custom'])
+SUFFIX = {'channels_last': '', 'channels_first': '-nchw', 'custom': '', 'stock': '@stock'}
 KERNEL_OPS = ('SyncBnMoments', 'SyncBnNormalize', 'SyncBnGradSums', 'SyncBnGradInput')
 MOMENTUM = 0.8
 SHAPE = (6, 6, 3)
@@ -279,21 +282,25 @@ def main():
         suffix = SUFFIX[fmt]
         keep('reference' + suffix, lambda: train('reference' + suffix,
                                                  Model(tensorpack_bn, fmt), SimpleTrainer(), 1))
-        for n in CONFIG['towers']:
-            name = 'ps%d%s' % (n, suffix)
-            keep(name, lambda: train(name, Model(synced_bn, fmt),
-                                     SyncMultiGPUTrainerParameterServer(n), n))
-            name = 'replicated%d%s' % (n, suffix)
-            keep(name, lambda: train(name, Model(synced_bn, fmt),
-                                     SyncMultiGPUTrainerReplicated(n, mode='cpu'), n))
-            name = 'patched%d%s' % (n, suffix)
-            with tf1_syncbn.patch_tensorpack(sync_statistics='collective') as patch:
-                info.setdefault('patched_modules', patch.patched_modules)
-                keep(name, lambda: train(name, LinearWrapModel(fmt),
-                                         SyncMultiGPUTrainerParameterServer(n), n))
+        for kernel_set in KERNEL_SETS:
+            with tf1_syncbn_kernels.use_custom_kernels(kernel_set == 'custom'):
+                for n in CONFIG['towers']:
+                    end = suffix + SUFFIX[kernel_set]
+                    name = 'ps%d%s' % (n, end)
+                    keep(name, lambda: train(name, Model(synced_bn, fmt),
+                                             SyncMultiGPUTrainerParameterServer(n), n))
+                    name = 'replicated%d%s' % (n, end)
+                    keep(name, lambda: train(name, Model(synced_bn, fmt),
+                                             SyncMultiGPUTrainerReplicated(n, mode='cpu'), n))
+                    name = 'patched%d%s' % (n, end)
+                    with tf1_syncbn.patch_tensorpack(sync_statistics='collective') as patch:
+                        info.setdefault('patched_modules', patch.patched_modules)
+                        keep(name, lambda: train(name, LinearWrapModel(fmt),
+                                                 SyncMultiGPUTrainerParameterServer(n), n))
     info['restored'] = BatchNorm is sys.modules['tensorpack'].BatchNorm and \
         'tf1_syncbn' not in BatchNorm.__module__
-    checkpoint = info['ps%d' % CONFIG['towers'][0]].get('checkpoint')
+    info['predicted_run'] = 'ps%d%s' % (CONFIG['towers'][0], SUFFIX[KERNEL_SETS[0]])
+    checkpoint = info[info['predicted_run']].get('checkpoint')
     if checkpoint:
         for k, v in predict(checkpoint).items():
             results['predict/' + k] = v

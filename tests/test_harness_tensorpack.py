@@ -12,11 +12,11 @@ override of tensorpack puts its hard-coded ``'/gpu:k'`` towers on ``'/cpu:k'``
 (see ``_towers_on_virtual_cpus`` there).
 
 Every run is made for both layouts (``channels_last``, and the layer on
-``channels_first``) and three times, once per kernel set: the compiled CPU
-kernels, the stock kernels (``TF1_SYNCBN_KERNELS=0``), and the stock kernels
-with TensorFlow's oneDNN rewrites off (``TF_ENABLE_ONEDNN_OPTS=0`` too: the
-CPU stand-in for GPU towers). The reference (tensorpack's own layer) runs in
-each of them.
+``channels_first``) and three times: on the compiled CPU kernels and on the
+stock kernels in one subprocess, and on the stock kernels with TensorFlow's
+oneDNN rewrites off (``TF_ENABLE_ONEDNN_OPTS=0 TF1_SYNCBN_KERNELS=0``: the
+CPU stand-in for GPU towers, read at process start) in another. The
+reference (tensorpack's own layer) runs in each subprocess.
 """
 
 import json
@@ -32,32 +32,48 @@ TOWERS = [2, 4]
 CONFIG = {'towers': TOWERS, 'steps': 4, 'global_batch': 8,
           'data_formats': ['channels_last', 'channels_first'], 'hang_seconds': 240}
 EPS = 1e-5
-KERNEL_SETS = {
-    'custom': {},
-    'stock': {'TF1_SYNCBN_KERNELS': '0'},
-    'stock-onednn-off': {'TF1_SYNCBN_KERNELS': '0', 'TF_ENABLE_ONEDNN_OPTS': '0'},
+#: subprocess -> (its extra environment, the kernel sets it runs).
+PROCESSES = {
+    'onednn-on': ({'TF1_SYNCBN_KERNELS': '1'}, ['custom', 'stock']),
+    'onednn-off': ({'TF1_SYNCBN_KERNELS': '0', 'TF_ENABLE_ONEDNN_OPTS': '0'}, ['stock']),
 }
+KERNEL_SETS = [('onednn-on', 'custom'), ('onednn-on', 'stock'), ('onednn-off', 'stock')]
+SUFFIX = {'custom': '', 'stock': '@stock'}
 
 
-@pytest.fixture(scope='module', params=sorted(KERNEL_SETS))
-def harness(request, tmp_path_factory):
-    """The harness's results on one kernel set: ``(arrays, info, kernel set)``.
+@pytest.fixture(scope='module')
+def harness_process(tmp_path_factory):
+    """``harness_process(name)``: that subprocess's ``(arrays, info)``, run once.
 
-    A run that fails (as the stock set with oneDNN off fails today on
-    channels_first) fails every test of its kernel set with its output.
+    A training run that fails (for example on one layout) is recorded by the
+    harness and fails that run's test with its error.
     """
-    kernel_set = request.param
-    out = tmp_path_factory.mktemp('tensorpack_harness_' + kernel_set)
-    with open(os.path.join(HERE, 'tensorpack_harness.py')) as f:
-        code = f.read()
-    # A collective that waits for a member fails after 60 s instead of the default 600 s.
-    env = dict(KERNEL_SETS[kernel_set], TF1_SYNCBN_TIMEOUT='60')
-    if kernel_set == 'custom':
-        env['TF1_SYNCBN_KERNELS'] = '1'
-    run_reference(code, out, args=[str(out), json.dumps(CONFIG)], env=env, timeout=300)
-    with open(out / 'result.json') as f:
-        info = json.load(f)
-    return np.load(out / 'result.npz'), info, kernel_set
+    done = {}
+
+    def get(process):
+        if process not in done:
+            env, kernel_sets = PROCESSES[process]
+            out = tmp_path_factory.mktemp('tensorpack_harness_' + process)
+            with open(os.path.join(HERE, 'tensorpack_harness.py')) as f:
+                code = f.read()
+            # A collective that waits for a member fails after 60 s instead of 600 s.
+            config = dict(CONFIG, kernel_sets=kernel_sets)
+            run_reference(code, out, args=[str(out), json.dumps(config)],
+                          env=dict(env, TF1_SYNCBN_TIMEOUT='60'), timeout=300)
+            with open(out / 'result.json') as f:
+                info = json.load(f)
+            done[process] = (np.load(out / 'result.npz'), info)
+        return done[process]
+
+    return get
+
+
+@pytest.fixture(params=KERNEL_SETS, ids=['%s-%s' % k for k in KERNEL_SETS])
+def harness(request, harness_process):
+    """``(arrays, info, kernel set, run-name suffix)`` for one kernel set."""
+    process, kernel_set = request.param
+    result, info = harness_process(process)
+    return result, info, kernel_set, SUFFIX[kernel_set]
 
 
 def _variables(result, run):
@@ -71,9 +87,10 @@ RUNS = ['%s%d%s' % (kind, n, suffix) for suffix in ('', '-nchw') for n in TOWERS
 
 @pytest.mark.parametrize('run', RUNS)
 def test_trainer_equals_tensorpack_on_one_device(harness, run):
-    result, info, kernel_set = harness
+    result, info, kernel_set, kernel_suffix = harness
     towers = int(run.split('-')[0].lstrip('pscrelitdah'))
     suffix = run[len(run.split('-')[0]):]
+    run += kernel_suffix
     for name in ('reference' + suffix, run):
         if 'error' in info[name]:
             pytest.fail('%s kernels: the %s run failed: %s' % (kernel_set, name,
@@ -108,20 +125,20 @@ def test_trainer_equals_tensorpack_on_one_device(harness, run):
 def test_tensorpack_argscope_accepts_our_layer(harness):
     # with argscope([Conv2D, tf1_syncbn.BatchNorm], data_format='channels_first'):
     # an [N, 5, 4, 4] input then has 5 channels.
-    _, info, _ = harness
+    _, info, _, _ = harness
     assert info['argscope'] == {'gamma_shape': [5], 'use_scope': True}
 
 
 def test_patch_tensorpack_switches_calls_by_name_and_is_restored(harness):
-    _, info, _ = harness
+    _, info, _, _ = harness
     assert '__main__' in info['patched_modules']          # the script's own imported name
     assert 'tensorpack.models' in info['patched_modules']
     assert info['restored']
 
 
 def test_offline_predictor_uses_and_keeps_the_moving_statistics(harness):
-    result, _, _ = harness
-    run = 'ps%d' % TOWERS[0]
+    result, info, _, _ = harness
+    run = info['predicted_run']   # (the checkpoint of its subprocess's first kernel set)
     mean, var = result['var/%s/bn/mean/EMA' % run], result['var/%s/bn/variance/EMA' % run]
     gamma, beta = result['var/%s/bn/gamma' % run], result['var/%s/bn/beta' % run]
     conv = result['predict/conv'].astype(np.float64)

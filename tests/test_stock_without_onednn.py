@@ -4,24 +4,32 @@ Each module below runs its tests on both kernel sets in the test process
 (the ``kernel_impl`` fixture, with TensorFlow's oneDNN rewrites on, as on any
 CPU). GPU towers run the stock set on TensorFlow's plain kernels, whose CPU
 stand-in is ``TF_ENABLE_ONEDNN_OPTS=0 TF1_SYNCBN_KERNELS=0``: read at process
-start, so each module's stock cases run again in a child pytest
-(``without_onednn``), which names every failing case with its error. (The
-parity modules run their own child, which reuses their reference results.)
+start, so the modules' stock cases run again in one child pytest
+(``without_onednn``); each module's test names every failing case of it with
+its error. (The parity modules run their own child, which reuses their
+reference results.)
 """
 
 import importlib
 
 import pytest
 
-from without_onednn import count_kernel_cases, run_stock_cases_without_onednn
+from without_onednn import ChildRun, count_kernel_cases
 
 MODULES = ['test_sync_exactness', 'test_sync_numerics', 'test_sync_formats',
            'test_harness_name_scopes']
 
 
+@pytest.fixture(scope='module')
+def child(tmp_path_factory):
+    """One child run over every module (one interpreter start for all)."""
+    files = [importlib.import_module(name).__file__ for name in MODULES]
+    return ChildRun(files, tmp_path_factory.mktemp('stock_without_onednn'))
+
+
 @pytest.mark.parametrize('name', MODULES)
-def test_stock_kernels_without_onednn(name, tmp_path):
+def test_stock_kernels_without_onednn(name, child):
     module = importlib.import_module(name)
     expected = count_kernel_cases(module)
     assert expected > 0, '%s has no test on both kernel sets' % name
-    run_stock_cases_without_onednn(module.__file__, tmp_path, expected)
+    child.check(module.__file__, expected)

@@ -40,10 +40,10 @@ def in_child():
 
 
 def _cases(xml_path):
-    """``[(test id, outcome, error text)]`` from a JUnit XML report."""
-    cases = []
+    """``{module file name: [(test id, outcome, error text)]}`` from a JUnit XML report."""
+    cases = collections.defaultdict(list)
     for case in ElementTree.parse(xml_path).getroot().iter('testcase'):
-        name = case.get('name')
+        module = (case.get('classname') or '').split('.')[-1] + '.py'
         outcome, text = 'passed', ''
         for tag in ('failure', 'error', 'skipped'):
             node = case.find(tag)
@@ -51,7 +51,7 @@ def _cases(xml_path):
                 outcome = tag
                 text = '%s\n%s' % (node.get('message') or '', node.text or '')
                 break
-        cases.append((name, outcome, text))
+        cases[module].append((case.get('name'), outcome, text))
     return cases
 
 
@@ -106,6 +106,52 @@ def count_kernel_cases(module):
     return total
 
 
+class ChildRun(object):
+    """One child pytest over some modules' stock cases; :meth:`check` asserts on one module."""
+
+    def __init__(self, modules, tmp_path, extra_env=None, timeout=600, keyword='stock'):
+        """Runs the child.
+
+        Args:
+          modules: the test modules' files.
+          tmp_path: a directory for the report.
+          extra_env: more environment variables for the child (reference results).
+          timeout: seconds for the whole child run.
+          keyword: the ``-k`` expression that selects the cases.
+        """
+        report = os.path.join(str(tmp_path), 'stock_without_onednn.xml')
+        command = [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
+                   '--tb=short', '-k', '(%s) and not %s' % (keyword, PARENT_TEST_WORD),
+                   '--junitxml', report] + [os.path.relpath(m, ROOT) for m in modules]
+        env = dict(os.environ, **CHILD_ENV)
+        env.update(extra_env or {})
+        proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        self.output = proc.stdout[-3000:]
+        if not os.path.exists(report):
+            raise AssertionError('the child pytest wrote no report (exit status %d):\n%s\n%s'
+                                 % (proc.returncode, proc.stdout[-4000:], proc.stderr[-4000:]))
+        self.cases = _cases(report)
+
+    def check(self, module, expected):
+        """Every case of ``module`` passed in the child, and ``expected`` of them ran."""
+        name = os.path.basename(module)
+        cases = self.cases.get(name, [])
+        bad = [(case, outcome, text) for case, outcome, text in cases if outcome != 'passed']
+        summary = '%d of %d case(s) of %s fail with TF_ENABLE_ONEDNN_OPTS=0 ' \
+            'TF1_SYNCBN_KERNELS=0' % (len(bad), len(cases), name)
+        by_error = collections.OrderedDict()   # cases that fail the same way, together
+        for case, outcome, text in bad:
+            by_error.setdefault('%s:\n%s' % (outcome, error_summary(text)), []).append(case)
+        details = '\n\n'.join('%s\n  %s' % ('\n'.join('  ' + n for n in names), error)
+                              for error, names in by_error.items())
+        assert not bad, '%s:\n\n%s' % (summary, details)
+        assert len(cases) == expected, (
+            'expected %d stock-kernel cases of %s, the child ran %d: %s\n%s'
+            % (expected, name, len(cases), [c[0] for c in cases], self.output))
+        return cases
+
+
 def run_stock_cases_without_onednn(module, tmp_path, expected, extra_env=None, timeout=600,
                                    keyword='stock'):
     """Runs ``module``'s ``keyword`` cases with oneDNN off and the stock kernels; asserts all pass.
@@ -118,29 +164,4 @@ def run_stock_cases_without_onednn(module, tmp_path, expected, extra_env=None, t
       timeout: seconds for the whole child run.
       keyword: the ``-k`` expression that selects the cases.
     """
-    report = os.path.join(str(tmp_path), 'stock_without_onednn.xml')
-    command = [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '--tb=short',
-               '-k', '(%s) and not %s' % (keyword, PARENT_TEST_WORD),
-               '--junitxml', report, os.path.relpath(module, ROOT)]
-    env = dict(os.environ, **CHILD_ENV)
-    env.update(extra_env or {})
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    if not os.path.exists(report):
-        raise AssertionError('the child pytest wrote no report (exit status %d):\n%s\n%s'
-                             % (proc.returncode, proc.stdout[-4000:], proc.stderr[-4000:]))
-    cases = _cases(report)
-    bad = [(name, outcome, text) for name, outcome, text in cases if outcome != 'passed']
-    summary = '%d of %d case(s) of %s fail with TF_ENABLE_ONEDNN_OPTS=0 TF1_SYNCBN_KERNELS=0' % (
-        len(bad), len(cases), os.path.basename(module))
-    by_error = collections.OrderedDict()   # cases that fail the same way, together
-    for name, outcome, text in bad:
-        by_error.setdefault('%s:\n%s' % (outcome, error_summary(text)), []).append(name)
-    details = '\n\n'.join('%s\n  %s' % ('\n'.join('  ' + n for n in names), error)
-                          for error, names in by_error.items())
-    assert not bad, '%s:\n\n%s' % (summary, details)
-    assert len(cases) == expected, (
-        'expected %d stock-kernel cases of %s, the child ran %d: %s\n%s'
-        % (expected, os.path.basename(module), len(cases), [c[0] for c in cases],
-           proc.stdout[-3000:]))
-    return cases
+    return ChildRun([module], tmp_path, extra_env, timeout, keyword).check(module, expected)
