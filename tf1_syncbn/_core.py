@@ -62,7 +62,7 @@ def batch_norm(x, layout, options, params, batch_weights=None,
     group = find_group(options, prediction_towers_update)
     training = options.is_training
     plan = plan_sync(options, group) if training is not False else None
-    do_update = update_moving and group.main
+    do_update = update_moving and (group.main or group.replicated_updates)
 
     finetune_step = None
     if finetune is not None and params.finetune_count is not None and training is not False:

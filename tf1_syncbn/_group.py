@@ -30,7 +30,8 @@ class SyncBNWarning(UserWarning):
     """A synchronized layer that cannot synchronize (see the message for the fix)."""
 
 
-class Group(collections.namedtuple('Group', ['ctx', 'index', 'towers', 'main', 'call'])):
+class Group(collections.namedtuple('Group', ['ctx', 'index', 'towers', 'main', 'call',
+                                             'workers', 'replicated_updates'])):
     """Where a layer call is built.
 
     Attributes:
@@ -44,6 +45,10 @@ class Group(collections.namedtuple('Group', ['ctx', 'index', 'towers', 'main', '
         training tower).
       call: the call's name, the same in every tower (see
         :meth:`tf1_syncbn._registry.CallRegistry.call_name`).
+      workers: how many processes build ``towers`` towers each into the group
+        (a ``tf.distribute`` multi-worker strategy; 1 elsewhere).
+      replicated_updates: every tower builds the moving-average updates and
+        the harness merges them (``tf.distribute``); else only ``main`` does.
     """
 
 
@@ -86,10 +91,11 @@ def find_group(options, prediction_towers_update=False):
     """
     ctx = get_current_tower_context()
     num_dev = options.num_dev
+    workers = getattr(ctx, 'workers', 1)
     if ctx is not None:
-        if num_dev is not None and num_dev != ctx.total:
+        if num_dev is not None and num_dev != ctx.total * workers:
             raise options.error('%s=%d disagrees with the %d towers of %r; drop %s or fix it.'
-                                % (options.arg('num_dev'), num_dev, ctx.total, ctx,
+                                % (options.arg('num_dev'), num_dev, ctx.total * workers, ctx,
                                    options.arg('num_dev')))
         index, towers = ctx.index, ctx.total
         main = ctx.is_main_training_tower or (prediction_towers_update and not ctx.is_training)
@@ -114,7 +120,8 @@ def find_group(options, prediction_towers_update=False):
         main = index == 0
     call = get_registry().call_name(towers, index,
                                     base_name(tf1.get_variable_scope().name, ctx))
-    return Group(ctx, index, towers, main, call)
+    return Group(ctx, index, towers, main, call, workers,
+                 bool(getattr(ctx, 'replicated_updates', False)))
 
 
 def _is_auto(spec):
@@ -148,9 +155,19 @@ def choose_backend(options, group, device):
                    'sync_statistics=None to keep per-tower statistics and silence this '
                    'warning.' % (full_name_scope(), group.index))
         return None
-    backend = backends.resolve(spec, options.layer, device, group.towers)
+    backend = backends.resolve(spec, options.layer, device, group.towers * group.workers,
+                               group.workers)
     if backend is None:
         return None
+    if group.replicated_updates and \
+            backend.group_size(group.towers) != group.towers * group.workers:
+        # A tf.distribute strategy knows how many members the group has.
+        raise options.error(
+            '%s=%r synchronizes %d members, but %r has %d towers in all (%d per worker x %d '
+            'workers). Pass sync_statistics=\'auto\' or CollectiveBackend(num_workers=%d).'
+            % (options.arg('sync_statistics'), backend, backend.group_size(group.towers),
+               group.ctx, group.towers * group.workers, group.towers, group.workers,
+               group.workers))
     if group.ctx is None and options.num_dev is None and not backend.implicit_single_tower:
         raise _unknown_group_error(options, spec)
     return backend

@@ -199,7 +199,8 @@ def share_updates(group, updates, updating, updates_collections):
       updates_collections: the collections the updates go to (None: inside the
         layer, nothing to share).
     """
-    if group.towers == 1 or updates_collections is None or not updating:
+    if group.towers == 1 or updates_collections is None or not updating or \
+            group.replicated_updates:
         return
     shared = get_graph_state().slot('tf1_syncbn.updates', _SharedUpdates)
     key = (group.towers, group.call)

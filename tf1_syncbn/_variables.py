@@ -21,11 +21,20 @@ import tensorflow as tf
 
 tf1 = tf.compat.v1
 
-__all__ = ['Params', 'RenormVariables', 'FINETUNE_COUNTERS', 'zero_debias_variables', 'read',
-           'assignable']
+__all__ = ['Params', 'RenormVariables', 'FINETUNE_COUNTERS', 'STATISTICS_AGGREGATION',
+           'zero_debias_variables', 'read', 'assignable']
 
 #: Collection of the batch counters of fine-tune mode (see start_finetuning).
 FINETUNE_COUNTERS = 'tf1_syncbn_finetune_counters'
+
+#: The aggregation of every variable the layers update themselves (moving
+#: statistics, renorm statistics, zero-debias shadows, fine-tune counters).
+#: Outside ``tf.distribute`` it changes nothing (names, checkpoints and values
+#: are the same). Under a strategy (``MirroredStrategy``, ...) the variables
+#: are mirrored, every replica builds the same update, and the strategy
+#: applies the first replica's to every copy, once per step: the statistics
+#: are the global batch's, identical on every replica.
+STATISTICS_AGGREGATION = tf.VariableAggregation.ONLY_FIRST_REPLICA
 
 Params = collections.namedtuple('Params', ['beta', 'gamma', 'moving_mean', 'moving_variance',
                                            'renorm', 'finetune_count', 'zero_debias'],
@@ -146,8 +155,10 @@ def zero_debias_variables(moving_mean, model_variables):
         scope.set_partitioner(None)
         biased = tf1.get_variable('biased', shape=variable.shape, dtype=dtype,
                                   initializer=tf1.zeros_initializer(), trainable=False,
-                                  collections=collections_)
+                                  collections=collections_,
+                                  aggregation=STATISTICS_AGGREGATION)
         local_step = tf1.get_variable('local_step', shape=[], dtype=dtype,
                                       initializer=tf1.zeros_initializer(), trainable=False,
-                                      collections=collections_)
+                                      collections=collections_,
+                                      aggregation=STATISTICS_AGGREGATION)
     return biased, local_step

@@ -292,21 +292,24 @@ _BY_NAME = {
 VALID_NAMES = (None, 'auto') + tuple(_BY_NAME)
 
 
-def resolve(spec, layer, device, towers):
+def resolve(spec, layer, device, towers, workers=1):
     """Turns a ``sync_statistics`` value into a backend object or None.
 
     Args:
       spec: None, a backend name, ``'auto'`` or a :class:`SyncBackend`.
       layer: the layer's name, for messages.
       device: this tower's canonical device string.
-      towers: the number of towers in the sync group of this graph.
+      towers: the number of members of the group, over every worker.
+      workers: the number of worker processes the group spans (a
+        ``tf.distribute`` multi-worker strategy; 1 elsewhere).
 
     Returns:
       A :class:`SyncBackend`, or None for per-tower statistics.
 
-    ``'auto'`` picks None for a single tower, ``'nccl'`` when this tower is on
-    a GPU *and* this process sees a physical GPU, and ``'collective'``
-    otherwise.
+    ``'auto'`` picks None for a single member; across workers, collective
+    ops (with the NCCL implementation on GPUs); within one process, ``'nccl'``
+    when this tower is on a GPU *and* this process sees a physical GPU, and
+    ``'collective'`` otherwise.
     """
     if spec is None or isinstance(spec, SyncBackend):
         return spec
@@ -314,11 +317,17 @@ def resolve(spec, layer, device, towers):
         raise TypeError('%s: sync_statistics must be None, a string or a SyncBackend, got %r.'
                         % (layer, spec))
     name = spec.lower()
+    on_gpu = device_type(device) == 'GPU' and gpus_present()
     if name == 'auto':
         if towers <= 1:
             return None
-        name = 'nccl' if device_type(device) == 'GPU' and gpus_present() else 'collective'
+        if workers > 1:
+            return CollectiveBackend(num_workers=workers,
+                                     communication_hint='nccl' if on_gpu else 'auto')
+        name = 'nccl' if on_gpu else 'collective'
     if name not in _BY_NAME:
         raise ValueError('%s: unknown sync_statistics=%r; use one of %s or a SyncBackend '
                          'object.' % (layer, spec, ', '.join(repr(v) for v in VALID_NAMES)))
+    if name == 'collective':
+        return CollectiveBackend(num_workers=workers)
     return _BY_NAME[name]()

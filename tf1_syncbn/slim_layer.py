@@ -8,8 +8,8 @@ from tf_slim.ops.arg_scope import add_arg_scope
 from tf1_syncbn._core import batch_norm
 from tf1_syncbn._options import (check_dict_keys, check_graph_mode, check_inputs, check_options,
                                  replaced_layer_is_fused)
-from tf1_syncbn._variables import (FINETUNE_COUNTERS, Params, RenormVariables,
-                                   zero_debias_variables)
+from tf1_syncbn._variables import (FINETUNE_COUNTERS, STATISTICS_AGGREGATION, Params,
+                                   RenormVariables, zero_debias_variables)
 
 __all__ = ['sync_batch_norm']
 
@@ -217,7 +217,9 @@ def _slim_variables(channels, options, initializers, regularizers, variables_col
         return slim_variables.model_variable(
             name, shape=[channels], dtype=tf.float32, initializer=initializer,
             regularizer=regularizer, trainable=trainable_var,
-            collections=slim_utils.get_variable_collections(variables_collections, name))
+            collections=slim_utils.get_variable_collections(variables_collections, name),
+            aggregation=(tf.VariableAggregation.NONE if trainable_var
+                         else STATISTICS_AGGREGATION))
 
     beta = gamma = None
     if options.center:
@@ -241,6 +243,7 @@ def _slim_variables(channels, options, initializers, regularizers, variables_col
             counter = slim_variables.model_variable(
                 'finetune_count', shape=[], dtype=tf.float32,
                 initializer=tf1.zeros_initializer(), trainable=False,
+                aggregation=STATISTICS_AGGREGATION,
                 collections=[FINETUNE_COUNTERS] + list(
                     slim_utils.get_variable_collections(variables_collections,
                                                         'finetune_count') or []))

@@ -9,7 +9,8 @@ import tensorflow as tf
 from tf1_syncbn._core import batch_norm
 from tf1_syncbn._options import (check_graph_mode, check_inputs, check_options,
                                  replaced_layer_is_fused)
-from tf1_syncbn._variables import FINETUNE_COUNTERS, Params, RenormVariables
+from tf1_syncbn._variables import (FINETUNE_COUNTERS, STATISTICS_AGGREGATION, Params,
+                                   RenormVariables)
 from tf1_syncbn.tensorpack_compat import tensorpack_layer
 from tower import get_current_tower_context
 
@@ -74,7 +75,7 @@ def _finetune_counter(finetune):
     with tf1.variable_scope(tf1.get_variable_scope()) as unpartitioned:
         unpartitioned.set_partitioner(None)  # counters are never partitioned
         counter = tf1.get_variable('finetune_count', [], tf.float32, tf1.zeros_initializer(),
-                                   trainable=False)
+                                   trainable=False, aggregation=STATISTICS_AGGREGATION)
     if counter not in tf1.get_collection(FINETUNE_COUNTERS):
         tf1.add_to_collection(FINETUNE_COUNTERS, counter)
     return counter
@@ -128,7 +129,8 @@ def _get_variable(name, channels, initializer, trainable=True):
     # Moving statistics are never partitioned (as Keras, which tensorpack uses).
     with tf1.variable_scope(tf1.get_variable_scope()) as unpartitioned:
         unpartitioned.set_partitioner(None)
-        return tf1.get_variable(name, [channels], tf.float32, initializer, trainable=False)
+        return tf1.get_variable(name, [channels], tf.float32, initializer, trainable=False,
+                                aggregation=STATISTICS_AGGREGATION)
 
 
 def tensorpack_runs_fused_kernel(rank, dtype, virtual_batch_size):

@@ -13,7 +13,7 @@ import tensorflow as tf
 from tensorflow.python.ops import variable_scope as _vs
 
 from tower import harness
-from tower._state import get_graph_state, root_graph
+from tower._state import full_name_scope, get_graph_state, root_graph
 
 __all__ = ['TowerContext', 'get_current_tower_context', 'strip_tower_prefix',
            'tower_index_from_name']
@@ -192,10 +192,12 @@ def get_current_tower_context(graph=None):
     """Returns the tower being built in ``graph``, or None.
 
     That is the innermost :class:`TowerContext` of ``graph`` or, when there is
-    none and ``graph`` is the current default graph, tensorpack's active tower
-    context (``TrainTowerContext`` / ``PredictTowerContext``), seen through a
-    read-only :class:`tower.harness.HarnessTowerContext` with the same
-    properties (tensorpack is never imported for this).
+    none and ``graph`` is the current default graph, another harness's tower
+    seen through a read-only :class:`tower.harness.HarnessTowerContext` with
+    the same properties: tensorpack's active tower context
+    (``TrainTowerContext`` / ``PredictTowerContext``; tensorpack is never
+    imported for this), or the ``tf.distribute`` replica that
+    ``strategy.run`` is building.
 
     Args:
       graph: a ``tf.Graph``; defaults to the current default graph.
@@ -203,13 +205,39 @@ def get_current_tower_context(graph=None):
     Code built outside any tower gets None and should behave as a single tower
     (index 0, total 1); :func:`tower_index_from_name` helps code that builds
     towers with plain name scopes (``tower_<i>``, ``clone_<i>``, ...) instead.
+
+    Raises:
+      ValueError: when a ``TowerContext`` (or tensorpack's) is entered inside
+        ``strategy.run``: the layer could not tell which group to synchronize
+        with. (Inside both this library's and tensorpack's, the library's
+        wins, as the innermost.)
     """
+    contexts = active_tower_contexts(graph)
+    if len(contexts) > 1 and any(getattr(c, 'replicated_updates', False) for c in contexts):
+        raise ValueError(
+            'Towers of two harnesses are being built at once: %s. A layer cannot tell which '
+            'towers to synchronize with. Build the towers with one of them: inside '
+            'strategy.run, the strategy\'s replicas are the towers (drop the TowerContext / '
+            'call_for_each_tower there).' % ' and '.join(repr(c) for c in contexts))
+    return contexts[0] if contexts else None
+
+
+def active_tower_contexts(graph=None):
+    """Every tower being built in ``graph``: this library's, tensorpack's, tf.distribute's.
+
+    Returns:
+      A list, innermost library context first; usually of one element or none.
+    """
+    found = []
     stack = get_graph_state(graph).tower_stack
     if stack:
-        return stack[-1]
+        found.append(stack[-1])
     if graph is None or root_graph(graph) is root_graph():
-        return harness.tensorpack_tower_context()
-    return None
+        for context in (harness.tensorpack_tower_context(),
+                        harness.distribute_replica_context(full_name_scope())):
+            if context is not None:
+                found.append(context)
+    return found
 
 
 def strip_tower_prefix(name, context=None):

@@ -25,6 +25,18 @@ nowhere else in the library:
   ``is_training``, the main training tower and the variable scope of
   replicated training. tensorpack is never imported here: a script that uses
   its contexts has imported it already.
+* **TensorFlow's own distribution strategies** (``tf.distribute``) in a TF1
+  graph: inside ``strategy.run(fn)`` (``MirroredStrategy``,
+  ``CentralStorageStrategy``, ``MultiWorkerMirroredStrategy``), each replica
+  is a tower: its index and the group come from the replica context
+  (``replica_id_in_sync_group``, ``num_replicas_in_sync``), the worker's
+  own replicas are its towers, and the other workers' replicas make the
+  group larger (``workers``). Replica ``i > 0`` builds under the name scope
+  ``replica_<i>/``. Strategies of one replica (``OneDeviceStrategy``, the
+  default strategy) are no tower at all. Under a strategy every replica
+  builds the moving-average updates (``replicated_updates``): the strategy
+  merges them, for variables created with ``ONLY_FIRST_REPLICA``
+  aggregation, into one update per variable copy and step.
 * This library's own :class:`tower.TowerContext` (handled in
   :mod:`tower.context`, which asks this module for the others).
 """
@@ -34,7 +46,8 @@ import sys
 import threading
 
 __all__ = ['register_tower_pattern', 'unregister_tower_pattern', 'tower_patterns',
-           'tower_index_of_component', 'HarnessTowerContext', 'tensorpack_tower_context']
+           'tower_index_of_component', 'HarnessTowerContext', 'tensorpack_tower_context',
+           'distribute_replica_context']
 
 # Each pattern matches one whole path component and captures the tower index.
 _DEFAULT_PATTERNS = (r'tower([0-9]+)', r'tower_([0-9]+)', r'clone_([0-9]+)')
@@ -121,12 +134,22 @@ class HarnessTowerContext(object):
 
     It has the properties of :class:`tower.TowerContext` that layers read:
     ``name``, ``ns_name``, ``vs_name``, ``index``, ``total``, ``is_training``
-    and ``is_main_training_tower``, plus ``source`` (the harness's name).
+    and ``is_main_training_tower``, plus:
+
+    * ``source``: the harness's name;
+    * ``workers``: how many processes build ``total`` towers each into one
+      group (``MultiWorkerMirroredStrategy``; 1 elsewhere);
+    * ``replicated_updates``: every tower builds the moving-average updates,
+      and the harness merges them (``tf.distribute``); else only the main
+      training tower does. Such a harness also knows every member of the
+      group: a backend must synchronize exactly ``total * workers`` members.
     """
 
     def __init__(self, source, ns_name, vs_name, index, total, is_training,
-                 is_main_training_tower):
+                 is_main_training_tower, workers=1, replicated_updates=False):
         self.source = source
+        self.workers = workers
+        self.replicated_updates = replicated_updates
         self.ns_name = ns_name
         self.name = ns_name.rsplit('/', 1)[-1] if ns_name else ''
         self.vs_name = vs_name
@@ -136,8 +159,9 @@ class HarnessTowerContext(object):
         self.is_main_training_tower = is_main_training_tower
 
     def __repr__(self):
-        return ('%s tower context(ns_name=%r, index=%d, total=%d, is_training=%r, '
-                'vs_name=%r)' % (self.source, self.ns_name, self.index, self.total,
+        workers = ', workers=%d' % self.workers if self.workers != 1 else ''
+        return ('%s tower context(ns_name=%r, index=%d, total=%d%s, is_training=%r, '
+                'vs_name=%r)' % (self.source, self.ns_name, self.index, self.total, workers,
                                  self.is_training, self.vs_name))
 
 
@@ -160,3 +184,51 @@ def tensorpack_tower_context():
     total = int(getattr(ctx, 'total', 1)) if is_training else 1
     return HarnessTowerContext('tensorpack', ctx.ns_name or '', ctx.vs_name or '', index,
                                total, is_training, bool(ctx.is_main_training_tower))
+
+
+_REPLICA_SCOPE = re.compile(r'replica_([0-9]+)')
+
+
+def distribute_replica_context(name_scope):
+    """The ``tf.distribute`` replica being built, as a :class:`HarnessTowerContext`, or None.
+
+    None outside ``strategy.run`` (no strategy, or its cross-replica
+    context) and for strategies of one replica in sync. The tower is the
+    replica's index among this worker's replicas; ``workers`` is
+    ``num_replicas_in_sync`` over this worker's replicas.
+
+    Args:
+      name_scope: the current full name scope, where replica ``i > 0`` of
+        this worker has its ``replica_<i>`` component.
+
+    Raises:
+      ValueError: when the replica's index is not known at graph build.
+    """
+    import tensorflow as tf  # noqa: PLC0415 - already imported by any graph that gets here
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        return None
+    replica = tf.distribute.get_replica_context()
+    if replica is None or replica.num_replicas_in_sync <= 1:
+        return None
+    replica_id = tf.get_static_value(replica.replica_id_in_sync_group)
+    if replica_id is None:
+        raise ValueError('tf1_syncbn: the tf.distribute replica context does not know its '
+                         'replica_id_in_sync_group at graph build; build the model with '
+                         'strategy.run in a TF1 graph (tf.compat.v1.distribute strategies).')
+    replicas = replica.num_replicas_in_sync
+    local = len(replica.strategy.extended.worker_devices)
+    if local < 1 or replicas % local:
+        raise ValueError('tf1_syncbn: tf.distribute reports %d replicas in sync but %d local '
+                         'devices; every worker must run the same number of replicas.'
+                         % (replicas, local))
+    index = int(replica_id) % local
+    ns_name = ''
+    parts = name_scope.split('/') if name_scope else []
+    for i, part in enumerate(parts):
+        match = _REPLICA_SCOPE.fullmatch(part)
+        if match and int(match.group(1)) == index:
+            ns_name = '/'.join(parts[:i + 1])
+            break
+    return HarnessTowerContext('tf.distribute %s' % type(replica.strategy).__name__, ns_name,
+                               '', index, local, True, int(replica_id) == 0,
+                               workers=replicas // local, replicated_updates=True)
