@@ -26,8 +26,9 @@ TensorFlow's, run names ending in ``@stock``; switched in-process with
 ``tf1_syncbn.kernels.use_custom_kernels``; oneDNN follows the environment's
 ``TF_ENABLE_ONEDNN_OPTS``). Each run records how many compiled-kernel ops its
 graph has. Then it scores a held-out batch twice with tensorpack's
-``OfflinePredictor`` on the first ``ps<N>`` checkpoint. Everything tensorpack does is tensorpack's own code,
-with one override, documented at ``_towers_on_virtual_cpus``. It writes
+``OfflinePredictor`` on the first ``ps<N>`` checkpoint. Everything tensorpack
+does is tensorpack's own code, with one override, documented at
+``_towers_on_virtual_cpus``. It writes
 ``OUT_DIR/result.npz`` (losses, checkpoint variables, predictor outputs) and
 ``OUT_DIR/result.json`` (op counts, layer types).
 """

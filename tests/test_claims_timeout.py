@@ -5,9 +5,9 @@ The README: the collective backend's timeout defaults to "600 s, or
 imported, for every layer that does not pass a backend object"; "``0`` or
 ``float('inf')`` (``TF1_SYNCBN_TIMEOUT=inf``) mean no deadline", and
 "NaN, negative numbers and anything that is not a number are a
-``ValueError`` naming ... the variable". The timeout is kept by the step watchdog op (``SyncBnStepWatchdog``,
-attribute ``timeout_seconds``), and without the compiled library by
-TensorFlow's per-op collective timeout.
+``ValueError`` naming ... the variable". The timeout is kept by the step
+watchdog op (``SyncBnStepWatchdog``, attribute ``timeout_seconds``), and
+without the compiled library by TensorFlow's per-op collective timeout.
 
 Each value needs a fresh interpreter (the variable is read at import): the
 subprocesses run side by side, each builds a two-tower graph with one layer on

@@ -115,11 +115,12 @@ CASES = [
     _case('2d-float16', [8, 3], dtype='float16'),
     # The README: "... for inputs whose mean is 10^4 times their spread"
     # (uneven towers, one empty: the default sizes).
-    _case('4d-mean1e4', [8, 3, 2, 3], loc=1e4, scale=1.0),
-    _case('4d-mean1e4-channels_first', [8, 3, 3, 2], loc=1e4, scale=1.0,
+    _case('4d-mean1e4', [8, 3, 2, 3], loc=1e4, scale=1.0, learning_rate=0.0),
+    _case('4d-mean1e4-channels_first', [8, 3, 3, 2], loc=1e4, scale=1.0, learning_rate=0.0,
           kwargs={'data_format': 'channels_first'}),
-    _case('2d-mean1e4', [8, 3], loc=1e4, scale=1.0),
+    _case('2d-mean1e4', [8, 3], loc=1e4, scale=1.0, learning_rate=0.0),
     _case('renorm-4d-mean1e4', [8, 3, 2, 3], 'BatchRenorm', loc=1e4, scale=1.0,
+          learning_rate=0.0,
           kwargs={'rmax': 3.0, 'dmax': 5.0, 'momentum': 0.8}),
     _case('2d-ghost', [8, 3], kwargs={'virtual_batch_size': 4, 'momentum': 0.8}, **GHOST),
     _case('4d-ghost-channels_last', [8, 2, 2, 3], kwargs={'virtual_batch_size': 4}, **GHOST),
