@@ -23,7 +23,7 @@ def ph(shape, dtype=tf.float32):
     (lambda: ph([None, None, 4, 4]), dict(data_format='NCHW'), ValueError, 'channel dimension'),
     (lambda: ph([None]), {}, ValueError, 'rank 1'),
     (lambda: ph([2, 2, 2, 2, 2, 3]), {}, ValueError, 'rank 6'),
-    (lambda: ph(None), {}, ValueError, 'unknown rank'),
+    (lambda: ph(None), {}, ValueError, 'undefined rank'),
     (lambda: ph([None, 3], tf.int32), {}, TypeError, 'int32'),
     (lambda: ph([None, 3], tf.float64), {}, TypeError, 'float64'),
     (lambda: ph([None, 3]), dict(data_format='NWHC'), ValueError, 'data_format'),

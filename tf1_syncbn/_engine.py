@@ -89,14 +89,10 @@ def all_reduce_with_gradient(tensor, plan):
     return out
 
 
-GlobalMoments = collections.namedtuple(
-    'GlobalMoments', ['shifted_inputs', 'shifted_mean', 'mean', 'variance', 'count'])
+GlobalMoments = collections.namedtuple('GlobalMoments', ['mean', 'variance', 'count'])
 GlobalMoments.__doc__ = """Global moments that carry gradients.
 
 Attributes:
-  shifted_inputs: the canonical view minus this tower's shift.
-  shifted_mean: float32 ``[C]``, the global mean minus this tower's shift
-    (normalize ``shifted_inputs`` with it).
   mean: float32 ``[C]``, the global mean.
   variance: float32 ``[C]``, the global biased (weighted) variance.
   count: float32 scalar, the global element count (or total weight).
@@ -120,9 +116,8 @@ def global_moments(x4, fmt, weights, plan):
     count, mean_s, m2 = _math.weighted_local_moments(xs4, fmt, weights)
     packed = all_reduce_with_gradient(_math.pack_moments(count, shift, mean_s, m2), plan)
     n64, mean64, var64 = _math.unpack_moments(packed, channels)
-    shifted_mean = tf.cast(mean64 - tf.cast(shift, mean64.dtype), _math.STAT_DTYPE)
-    return GlobalMoments(xs4, shifted_mean, tf.cast(mean64, _math.STAT_DTYPE),
-                         tf.cast(var64, _math.STAT_DTYPE), tf.cast(n64, _math.STAT_DTYPE))
+    return GlobalMoments(tf.cast(mean64, _math.STAT_DTYPE), tf.cast(var64, _math.STAT_DTYPE),
+                         tf.cast(n64, _math.STAT_DTYPE))
 
 
 def ghost_moments(x4, fmt, per_member, groups, plan, epsilon):

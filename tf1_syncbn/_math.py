@@ -260,21 +260,21 @@ def frozen_gradient(dy4, x4, gamma, mean, var, reserve, epsilon, fmt):
 def gradient_sums(dy4, x4, mean, var, epsilon, fmt):
     """``sum(dy * xhat)`` and ``sum(dy)`` over the local batch, for any layout.
 
-    ``xhat`` comes from one fused inference kernel (``x - mean`` is formed in
-    float32 inside it, so it keeps its precision when ``|mean| >> std``); the
-    sums accumulate in float32 for every input dtype.
+    ``xhat`` comes from one fused inference kernel on float32 data (``x -
+    mean`` is formed in float32 inside it, so it keeps its precision when
+    ``|mean| >> std``; float16/bfloat16 inputs are widened first, as the fused
+    gradient kernel does internally); the sums accumulate in float32.
 
     Returns:
-      ``(xhat4, dgamma, dbeta)``: the normalized view (input dtype) and two
-      float32 ``[C]`` vectors.
+      ``(dgamma, dbeta)``: two float32 ``[C]`` vectors.
     """
     channels = x4.shape[channel_axis(fmt)]
-    xhat4, _ = normalize(x4, tf.ones([channels], STAT_DTYPE), tf.zeros([channels], STAT_DTYPE),
-                         mean, var, epsilon, fmt, name='xhat')
+    x = x4 if x4.dtype == STAT_DTYPE else tf.cast(x4, STAT_DTYPE)
+    xhat, _ = normalize(x, tf.ones([channels], STAT_DTYPE), tf.zeros([channels], STAT_DTYPE),
+                        mean, var, epsilon, fmt, name='xhat')
     dy = dy4 if dy4.dtype == STAT_DTYPE else tf.cast(dy4, STAT_DTYPE)
-    xhat = xhat4 if xhat4.dtype == STAT_DTYPE else tf.cast(xhat4, STAT_DTYPE)
     axes = reduction_axes(fmt)
-    return xhat4, tf.reduce_sum(dy * xhat, axes), tf.reduce_sum(dy, axes)
+    return tf.reduce_sum(dy * xhat, axes), tf.reduce_sum(dy, axes)
 
 
 def gradient_coefficients(gamma, var, count, grads_sum, epsilon, fmt, dtype=tf.float32):

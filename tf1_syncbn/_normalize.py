@@ -98,14 +98,16 @@ def train(x, layout, options, params, plan, weights=None):
 
 
 def _slow(x, x4, fmt, layout, options, params, gamma, beta, plan, weights):
-    """Differentiable global moments through a differentiable all-reduce, separate ops."""
+    """Differentiable global moments through a differentiable all-reduce, separate ops.
+
+    The output is ``(x - mean) * (rsqrt(var + eps) * scale) + offset``, the
+    formula of :func:`infer` with ``fused=False``: once the moving statistics
+    equal the batch's, training and inference outputs agree to the last bit
+    (slim's ``testNoneUpdatesCollectionIsTrainingVariable``). ``x - mean`` is
+    exact for data near the mean; the moments themselves are computed around
+    a shift (:func:`tf1_syncbn._engine.global_moments`).
+    """
     moments = _engine.global_moments(x4, fmt, weights, plan)
-    bshape = _math.broadcast_shape(fmt, layout.channels)
-    xs4 = moments.shifted_inputs
-    inv = tf.math.rsqrt(moments.variance + options.epsilon)
-    xhat4 = (xs4 - tf.reshape(tf.cast(moments.shifted_mean, xs4.dtype), bshape)) * \
-        tf.reshape(tf.cast(inv, xs4.dtype), bshape)
-    xhat = _restore(xhat4, x)
     oshape = _math.layout_broadcast_shape(layout.rank, layout.channels_last, layout.channels)
     scale = tf.ones(oshape, tf.float32)
     offset = tf.zeros(oshape, tf.float32)
@@ -120,8 +122,16 @@ def _slow(x, x4, fmt, layout, options, params, gamma, beta, plan, weights):
         adj_bias = tf.cast(adj_bias, tf.float32)
         scale, offset = scale * adj_scale, offset * adj_scale + adj_bias
     g = tf.reshape(gamma, oshape)
-    scale, offset = scale * g, offset * g + tf.reshape(beta, oshape)
-    y = xhat * tf.cast(scale, xhat.dtype) + tf.cast(offset, xhat.dtype)
+    # Named as tf.nn.batch_normalization names it (slim's _testCreateOp(fused=False)).
+    with tf.name_scope('batchnorm'):
+        inv = tf.reshape(tf.math.rsqrt(moments.variance + options.epsilon), oshape)
+        scale, offset = inv * scale * g, offset * g + tf.reshape(beta, oshape)
+        # float16/bfloat16 inputs are normalized in float32 (and the gradients
+        # of gamma and beta summed in float32), then rounded once.
+        xf = x if x.dtype == tf.float32 else tf.cast(x, tf.float32)
+        y = (xf - tf.reshape(moments.mean, oshape)) * scale + offset
+        if y.dtype != x.dtype:
+            y = tf.cast(y, x.dtype)
     # (With batch_weights the count is the total weight: zero updates nothing.)
     return y, BatchStats(tf.stop_gradient(moments.mean), tf.stop_gradient(moments.variance),
                          tf.stop_gradient(moments.count), renorm_stats, False)
@@ -198,10 +208,11 @@ def infer(x, layout, options, params):
     variance = read(params.moving_variance)
     if options.fused is False:
         shape = _math.layout_broadcast_shape(layout.rank, layout.channels_last, layout.channels)
-        scale = tf.math.rsqrt(variance + options.epsilon) * gamma
-        return ((x - tf.cast(tf.reshape(mean, shape), x.dtype)) *
-                tf.cast(tf.reshape(scale, shape), x.dtype) +
-                tf.cast(tf.reshape(beta, shape), x.dtype))
+        with tf.name_scope('batchnorm'):     # as tf.nn.batch_normalization (and so slim)
+            scale = tf.math.rsqrt(variance + options.epsilon) * gamma
+            return ((x - tf.cast(tf.reshape(mean, shape), x.dtype)) *
+                    tf.cast(tf.reshape(scale, shape), x.dtype) +
+                    tf.cast(tf.reshape(beta, shape), x.dtype))
     x4, fmt = _math.canonical_view(x, layout.channels_last)
     # Named as tf.nn.fused_batch_norm (and so slim) names it.
     y4, _ = _math.normalize(x4, gamma, beta, mean, variance, options.epsilon, fmt,

@@ -211,7 +211,7 @@ def check_inputs(options, inputs):
                             % dtype.name, TypeError)
     rank = x.shape.ndims
     if rank is None:
-        raise options.error('inputs have unknown rank; give them a static shape (for '
+        raise options.error('inputs have an undefined rank; give them a static shape (for '
                             'example with tf.ensure_shape).')
     if not 2 <= rank <= 5:
         raise options.error('inputs have rank %d; batch norm supports rank 2 to 5 '
@@ -231,8 +231,8 @@ def check_inputs(options, inputs):
         channels_last = True
     channels = x.shape[-1 if channels_last else 1]
     if channels is None:
-        raise options.error('the channel dimension (axis %d) of inputs %s is unknown; it must '
-                            'be known at graph build to create the variables.'
+        raise options.error('the channel dimension (axis %d) of inputs %s is undefined; it '
+                            'must be known at graph build to create the variables.'
                             % (-1 if channels_last else 1, x.shape))
     vbs, batch = options.virtual_batch_size, x.shape[0]
     if vbs is not None and batch is not None and batch % vbs:

@@ -141,7 +141,8 @@ class PortableKernels(object):
                                                               reserve, epsilon, fmt)
             state = dx_partial
         else:
-            state, dgamma, dbeta = _math.gradient_sums(dy4, x4, mean, var, epsilon, fmt)
+            state = None
+            dgamma, dbeta = _math.gradient_sums(dy4, x4, mean, var, epsilon, fmt)
         return tf.concat([dgamma, dbeta], 0, name='packed_grads'), dgamma, dbeta, state
 
     def backward_finish(self, state, dy4, x4, gamma, saved, grads_sum, epsilon, fmt):
