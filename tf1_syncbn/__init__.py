@@ -24,6 +24,7 @@ from tf1_syncbn._group import SyncBNWarning
 from tf1_syncbn.distributed import (Cluster, ClusterError, DistributedOptimizer, PeerMissingError,
                                     WorkerLostError, WorkerSession, all_reduce_gradients,
                                     average_across_workers, broadcast_variables, setup_cluster)
+from tf1_syncbn._audit_rules import audit_graph
 
 __all__ = ['sync_batch_norm', 'BatchNorm', 'BatchRenorm', 'start_finetuning', 'SyncBackend',
            'SyncKey', 'CollectiveBackend', 'NcclBackend', 'HorovodBackend']
@@ -31,5 +32,6 @@ __all__ += ['sync_arg_scope', 'convert_arg_scope', 'patch_tensorpack', 'SyncBNWa
 __all__ += ['setup_cluster', 'Cluster', 'DistributedOptimizer', 'all_reduce_gradients',
             'average_across_workers', 'broadcast_variables', 'WorkerSession', 'ClusterError',
             'PeerMissingError', 'WorkerLostError']
+__all__ += ['audit_graph']
 
 __version__ = '0.1.0'
