@@ -14,6 +14,10 @@ concatenated batch, on one device:
   ``(1 - decay) * batch_mean`` and ``decay * 1 + (1 - decay) * batch_var``
   (fused batch norm returns the Bessel-corrected batch variance).
 
+Before running, it audits the graph it built (:func:`tf1_syncbn.audit_graph`:
+the layer synchronized over every tower, its updates run by the training
+step) and fails on any problem the audit reports; the report is printed.
+
 It prints a table per backend, with the max abs error of each quantity and the
 median time of a training step, and says PASS, FAIL or SKIPPED. Exit status:
 0 when at least one backend ran and every backend that ran passed; 1 on a
@@ -39,6 +43,7 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from tf1_syncbn._audit_rules import audit_graph  # noqa: E402
 from tf1_syncbn.backends import CollectiveBackend  # noqa: E402
 from tf1_syncbn.slim_layer import sync_batch_norm  # noqa: E402
 from tower import call_for_each_tower, get_current_tower_context, virtual_cpu_config  # noqa: E402
@@ -62,7 +67,7 @@ DEFAULT_SHAPE = (4, 4, 8)
 
 CheckResult = collections.namedtuple('CheckResult', [
     'backend', 'resolved', 'towers', 'devices', 'batch_sizes', 'errors', 'failed',
-    'step_time', 'status', 'message'])
+    'step_time', 'status', 'message', 'audit'], defaults=(None,))
 CheckResult.__doc__ = """The outcome of :func:`run_check` for one backend.
 
 Attributes:
@@ -77,6 +82,8 @@ Attributes:
   step_time: median seconds of one synchronized training step (or None).
   status: ``'PASS'``, ``'FAIL'`` or ``'SKIP'``.
   message: why a check was skipped or failed ('' on success).
+  audit: the :func:`tf1_syncbn.audit_graph` report of the checked graph (None
+    when skipped).
 """
 
 
@@ -268,6 +275,11 @@ def run_check(backend, towers=4, batch_sizes=None, shape=DEFAULT_SHAPE, decay=0.
     with graph.as_default():
         synced, ref = _build(spec, devices, shape, decay, epsilon, seed, perturb)
         init = tf1.global_variables_initializer()
+    report = audit_graph(graph, synced['step'])
+    if not report.ok:
+        return CheckResult(backend, resolved, towers, devices, sizes, {}, list(QUANTITIES),
+                           None, 'FAIL', 'the graph audit found problems: %s'
+                           % ' '.join(report.problems), report)
     feed = {}
     for ph_x, ph_dy, (px, pdy) in zip(synced['xs'], synced['dys'], parts):
         feed[ph_x] = px
@@ -290,7 +302,7 @@ def run_check(backend, towers=4, batch_sizes=None, shape=DEFAULT_SHAPE, decay=0.
     except (tf.errors.OpError, ValueError, TypeError) as e:
         message = '%s: %s' % (type(e).__name__, str(e).strip().splitlines()[0])
         return CheckResult(backend, resolved, towers, devices, sizes, {}, list(QUANTITIES),
-                           None, 'FAIL', message)
+                           None, 'FAIL', message, report)
 
     actual = dict(output=np.concatenate(ys), input_grad=np.concatenate(dxs),
                   gamma_grad=dgamma, beta_grad=dbeta, moving_mean=moving_mean,
@@ -304,7 +316,7 @@ def run_check(backend, towers=4, batch_sizes=None, shape=DEFAULT_SHAPE, decay=0.
     message = ('mismatch in %s (tolerance %g abs + %g rel)' % (', '.join(failed), atol, rtol)
                if failed else '')
     return CheckResult(backend, resolved, towers, devices, sizes, errors, failed,
-                       float(np.median(times)), status, message)
+                       float(np.median(times)), status, message, report)
 
 
 def format_table(results):
@@ -387,6 +399,10 @@ def main(argv=None):
     results = [run_check(b, towers=towers, steps=args.steps, seed=args.seed,
                          device=args.device) for b in backends]
     print(format_table(results))
+    for r in results:
+        if r.audit is not None:
+            print('graph audit (%s):' % r.backend)
+            print(r.audit)
     ran = [r for r in results if r.status != 'SKIP']
     failed = [r for r in ran if r.status == 'FAIL']
     if failed:
