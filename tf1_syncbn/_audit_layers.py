@@ -1,4 +1,4 @@
-"""Where a graph's batch-norm layers are: each tower's copy, moving statistics, updates, all-reduces.
+"""Where a graph's batch-norm layers are: tower copies, moving statistics, updates, all-reduces.
 
 Works on a :class:`~tf1_syncbn._audit_index.GraphIndex`. A layer shows in a
 tower through *anchors*, ops that only batch norm builds:

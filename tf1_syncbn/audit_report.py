@@ -1,4 +1,4 @@
-"""What :func:`tf1_syncbn.audit_graph` found: one :class:`LayerAudit` per layer, in an :class:`AuditReport`.
+"""The audit's report: :class:`AuditReport`, with one :class:`LayerAudit` per layer.
 
 ``str(report)`` is a table, one row per batch-norm layer, followed by the
 problems (each naming the layer's scope and the fix) and the notes
