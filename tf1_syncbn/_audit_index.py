@@ -98,6 +98,10 @@ class Node(object):
         self.inputs = [i for i in node_def.input if not i.startswith('^')]
         self.control_inputs = [i[1:] for i in node_def.input if i.startswith('^')]
 
+    def get_attr(self, name):
+        """The attribute ``name`` (an ``AttrValue``), or None; never adds one to the proto."""
+        return self.attr[name] if name in self.attr else None
+
     def __repr__(self):
         return 'Node(%s, %s)' % (self.name, self.op)
 
@@ -250,14 +254,3 @@ class GraphIndex(object):
                         table.setdefault(producer.key, []).append((other, True))
             self._consumers = table
         return self._consumers.get(node.key, [])
-
-    def const_value(self, node, input_index):
-        """The integer value of a scalar ``Const`` input, or None."""
-        if input_index >= len(node.inputs):
-            return None
-        producer = self.producer(node, node.inputs[input_index])
-        if producer is None or producer.op != 'Const':
-            return None
-        tensor = producer.attr['value'].tensor
-        values = list(tensor.int_val) or list(tensor.int64_val)
-        return int(values[0]) if len(values) == 1 else None

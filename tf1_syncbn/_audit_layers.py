@@ -56,13 +56,14 @@ def _anchor(node):
     scope = parent_scope(node.name)
     op = node.op
     if op == 'IdentityN' and _SYNC_IDENTITY.fullmatch(last) and \
-            node.attr['_gradient_op_type'].s == _LIBRARY_GRADIENT:
+            getattr(node.get_attr('_gradient_op_type'), 's', None) == _LIBRARY_GRADIENT:
         return scope, 'library'
     if op == 'SyncBnMoments' or (op == 'ConcatV2' and last == 'packed_moments') or \
             (op == 'NoOp' and last == 'update_moving_averages'):
         return scope, 'library'
     if op in _FUSED:
-        return scope, 'fused' if node.attr['is_training'].b else 'infer'
+        training = node.get_attr('is_training')
+        return scope, 'fused' if training is None or training.b else 'infer'
     if op == 'Mean' and last == 'mean' and _MOMENTS.fullmatch(scope.rsplit('/', 1)[-1]):
         return parent_scope(scope), 'moments'
     if op == 'Rsqrt' and scope.rsplit('/', 1)[-1] == 'batchnorm':
@@ -219,11 +220,9 @@ def collective_group(node):
         backend = 'horovod'
     if backend is None:
         return None
-    if node.op == 'CollectiveReduce':
-        return backend, node.attr['group_size'].i
-    if node.op == 'NcclAllReduce':
-        return backend, node.attr['num_devices'].i
-    return backend, None
+    size = node.get_attr({'CollectiveReduce': 'group_size',
+                          'NcclAllReduce': 'num_devices'}.get(node.op, ''))
+    return backend, size.i if size is not None else None
 
 
 def _attach_collectives(index, instances):
