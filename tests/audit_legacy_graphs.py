@@ -143,6 +143,8 @@ CASES = {
         slim.batch_norm, clone_scope=lambda: sync_arg_scope(num_dev=2)),
     'tf_layers_single_tower': lambda: audit_cases.single_tower(
         lambda x: tf1.layers.batch_normalization(x, training=True)),
+    'tf_layers_mirrored_strategy': lambda: audit_cases.mirrored_strategy(
+        lambda x: tf1.layers.batch_normalization(x, training=True, name='bn')),
     'keras_single_tower_unwired': lambda: keras_single(wired=False),
     'keras_single_tower_wired': lambda: keras_single(wired=True),
     'resnet_sync_arg_scope': lambda: audit_cases.tower_contexts(None, net=resnet(False)),

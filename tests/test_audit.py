@@ -255,7 +255,10 @@ def test_an_imported_meta_graph_audits_as_the_graph_it_came_from(tmp_path):
     with imported.as_default():
         tf1.train.import_meta_graph(path)
     assert str(audit_graph(imported)) == expected          # train op from its collection
-    assert str(audit_module.audit_graph(audit_module.read_meta_graph(path), names)) == expected
+    meta = audit_module.read_meta_graph(path)
+    before = meta.SerializeToString()
+    assert str(audit_module.audit_graph(meta, names)) == expected
+    assert meta.SerializeToString() == before              # the audit only reads it
 
 
 # --- The command line. -----------------------------------------------------------------------
@@ -292,6 +295,7 @@ LEGACY = {
     'slim_clone_sync_arg_scope': [],
     'slim_clone_bound_before_sync_arg_scope': per_tower(*SMALL_NET),
     'tf_layers_single_tower': [],
+    'tf_layers_mirrored_strategy': per_tower('net/bn'),
     'keras_single_tower_unwired': [('bn', 'not_run')],
     'keras_single_tower_wired': [],
     'resnet_sync_arg_scope': [],
@@ -335,8 +339,11 @@ def test_plain_and_converted_layers_in_their_harnesses(legacy_graphs, case):
             ('clone_0', 'clone_1') if 'clone' in case else ('tower_0', 'tower_1'))
         if 'tensor' in case:
             assert {l.mode for l in report.layers} == {'train+infer'}   # tf.cond branches
-    elif case.startswith('tf_layers'):
+    elif case == 'tf_layers_single_tower':
         assert names == ['conv1/batch_normalization', 'conv2/batch_normalization']
+    elif case == 'tf_layers_mirrored_strategy':
+        assert layer(report, 'net/bn').towers == ('replica_0', 'replica_1')
+        assert layer(report, 'net/bn').updates == 'train_op'
 
 
 def test_an_imported_plain_graph_audits_as_its_meta_graph(legacy_graphs):
