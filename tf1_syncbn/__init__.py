@@ -20,6 +20,8 @@ from tf1_syncbn.slim_layer import sync_batch_norm
 from tf1_syncbn.tensorpack_layer import BatchNorm, BatchRenorm, start_finetuning
 from tf1_syncbn.convert import convert_arg_scope, sync_arg_scope
 from tf1_syncbn.tensorpack_compat import patch_tensorpack
+from tf1_syncbn import layers
+from tf1_syncbn.tf_layers_compat import patch_tf_layers
 from tf1_syncbn._group import SyncBNWarning
 from tf1_syncbn.distributed import (Cluster, ClusterError, DistributedOptimizer, PeerMissingError,
                                     WorkerLostError, WorkerSession, all_reduce_gradients,
@@ -29,6 +31,7 @@ from tf1_syncbn._audit_rules import audit_graph
 __all__ = ['sync_batch_norm', 'BatchNorm', 'BatchRenorm', 'start_finetuning', 'SyncBackend',
            'SyncKey', 'CollectiveBackend', 'NcclBackend', 'HorovodBackend']
 __all__ += ['sync_arg_scope', 'convert_arg_scope', 'patch_tensorpack', 'SyncBNWarning']
+__all__ += ['layers', 'patch_tf_layers']
 __all__ += ['setup_cluster', 'Cluster', 'DistributedOptimizer', 'all_reduce_gradients',
             'average_across_workers', 'broadcast_variables', 'WorkerSession', 'ClusterError',
             'PeerMissingError', 'WorkerLostError']

@@ -1,0 +1,103 @@
+"""tf.layers' rules for batch normalization, as :mod:`tf1_syncbn.layers` translates them.
+
+What tf-keras' legacy ``BatchNormalization`` (``tf.compat.v1.layers``) decides
+from its arguments before it computes anything: which axis holds the channels,
+whether it runs TensorFlow's fused kernel, how it names unnamed layers, which
+initializers, regularizers and constraints it accepts. Errors name the layer
+(with its scope) and the argument as the user spelled it.
+"""
+
+import tensorflow as tf
+
+from tf1_syncbn._options import replaced_layer_is_fused
+from tower._state import get_graph_state
+
+__all__ = ['BASE_NAME', 'DTYPES', 'tf_layers_runs_fused_kernel', 'unique_layer_name',
+           'check_axis_type', 'check_callable', 'channel_axis']
+
+tf1 = tf.compat.v1
+
+#: The variable scope (and name) of unnamed layers: ``batch_normalization``, ``_1``, ...
+BASE_NAME = 'batch_normalization'
+#: The input types the layer takes (and its ``dtype`` argument).
+DTYPES = (tf.float16, tf.bfloat16, tf.float32)
+#: Keras' names for the initializers that make sense for batch norm.
+_INITIALIZER_NAMES = {'zeros': tf1.zeros_initializer, 'ones': tf1.ones_initializer}
+
+
+def tf_layers_runs_fused_kernel(fused, rank, renorm, virtual_batch_size, adjustment):
+    """Where tf.layers' ``BatchNormalization`` (tf-keras' legacy layer) runs the fused kernel.
+
+    Its rule (``BatchNormalizationBase`` with V1 behaviour): ``fused=None``
+    means True, and the fused kernel runs on inputs of rank 4 and 5 with one
+    channel axis (1 or the last, the only axes here) and neither ``renorm``,
+    ``virtual_batch_size`` nor ``adjustment``; ``fused=True`` anywhere else
+    quietly takes the non-fused path, as in tf.layers. There the moving
+    variance tracks the Bessel-corrected batch variance and ``1 - momentum``
+    is computed in float32; on the non-fused path, the biased variance and
+    ``1 - momentum`` in double, and 16-bit inputs are computed in float32.
+
+    Returns:
+      See :func:`tf1_syncbn._options.replaced_layer_is_fused`.
+    """
+    return replaced_layer_is_fused(fused, rank, (4, 5), (renorm, virtual_batch_size, adjustment))
+
+
+def unique_layer_name(graph):
+    """``batch_normalization_<n>``, numbered per graph from 1, as Keras names unnamed layers."""
+    counter = get_graph_state(graph).slot('tf1_syncbn.layers.names', lambda: [0])
+    counter[0] += 1
+    return '%s_%d' % (BASE_NAME, counter[0])
+
+
+def check_axis_type(axis):
+    """``axis`` as tf.layers takes it: an int, or a non-empty list/tuple of ints (as a list)."""
+    if isinstance(axis, (list, tuple)) and axis and \
+            all(isinstance(a, int) and not isinstance(a, bool) for a in axis):
+        return list(axis)
+    if isinstance(axis, int) and not isinstance(axis, bool):
+        return axis
+    raise TypeError("BatchNormalization: expected an int or a list/tuple of ints for the "
+                    "argument 'axis', but received: %r" % (axis,))
+
+
+def check_callable(name, value, initializer=False):
+    """An initializer (a callable, ``'zeros'``, ``'ones'``), or a regularizer / constraint."""
+    if value is None and not initializer:
+        return None
+    if initializer and isinstance(value, str) and value in _INITIALIZER_NAMES:
+        return _INITIALIZER_NAMES[value]()
+    if callable(value):
+        return value
+    raise TypeError("BatchNormalization: %s must be a callable%s, got %r." % (
+        name, " (or 'zeros', 'ones')" if initializer else ' or None', value))
+
+
+def channel_axis(layer, axis, rank):
+    """tf.layers' ``axis`` for an input of ``rank``, as 1 or ``rank - 1``.
+
+    Args:
+      layer: the layer's name for messages.
+      axis: the ``axis`` argument (an int or a list of ints).
+      rank: the input's rank, or None (``check_inputs`` names that problem).
+
+    Raises:
+      ValueError: for axes out of range or repeated (as tf.layers), several
+        axes, or one that is neither 1 nor the last (the core normalizes the
+        channels of one axis, 1 or the last).
+    """
+    if rank is None:
+        return None
+    axes = axis if isinstance(axis, list) else [axis]
+    normalized = [a + rank if a < 0 else a for a in axes]
+    if any(not 0 <= a < rank for a in normalized) or len(set(normalized)) != len(axes):
+        raise ValueError('%s: invalid axis=%r for inputs of rank %d: every axis must lie in '
+                         '[-%d, %d) and appear once.' % (layer, axis, rank, rank, rank))
+    if len(normalized) > 1:
+        raise ValueError('%s: axis=%r normalizes over several axes at once, which this layer '
+                         'does not support; pass one channel axis (1 or -1).' % (layer, axis))
+    if normalized[0] not in (1, rank - 1):
+        raise ValueError('%s: axis=%r: only the channel axis 1 or the last axis (%d) is '
+                         'supported for inputs of rank %d; transpose the input so that the '
+                         'normalized axis is one of them.' % (layer, axis, rank - 1, rank))
+    return normalized[0]

@@ -1,0 +1,387 @@
+"""``tf.compat.v1.layers``' batch normalization, synchronized: a drop-in for tf.layers code.
+
+* :func:`batch_normalization`: the signature of
+  ``tf.compat.v1.layers.batch_normalization`` (tf-keras' legacy layer), plus
+  ``sync_statistics`` and ``num_dev``;
+* :class:`BatchNormalization`: the layer object, with tf.layers' object API
+  (``apply``, ``updates``, ``variables``, ``gamma``, ``moving_mean``, ...).
+
+Both translate tf.layers' arguments, defaults, variable scopes and rules into
+one call of the shared core (:func:`tf1_syncbn._core.batch_norm`). The
+variables, their scopes and automatic names (``batch_normalization``,
+``batch_normalization_1``, reuse through ``name`` plus ``reuse`` or the
+enclosing variable scope), the update ops in ``UPDATE_OPS`` and the
+regularization losses are tf.layers', so checkpoints written by tf.layers
+code restore unchanged. :func:`tf1_syncbn.patch_tf_layers` makes
+``tf.compat.v1.layers`` hand these out.
+"""
+
+import tensorflow as tf
+
+from tf1_syncbn._core import batch_norm
+from tf1_syncbn._options import check_graph_mode, check_inputs, check_options
+from tf1_syncbn._tf_layers_rules import (BASE_NAME, DTYPES, channel_axis, check_axis_type,
+                                         check_callable, tf_layers_runs_fused_kernel,
+                                         unique_layer_name)
+from tf1_syncbn._variables import STATISTICS_AGGREGATION, Params, RenormVariables
+
+__all__ = ['BatchNormalization', 'batch_normalization']
+
+tf1 = tf.compat.v1
+
+
+class BatchNormalization(object):
+    """``tf.compat.v1.layers.BatchNormalization``, with synchronized statistics.
+
+    The arguments, defaults and object API of tf.layers' layer (tf-keras'
+    legacy ``BatchNormalization``), plus ``sync_statistics`` and ``num_dev``.
+    N synchronized towers give what tf.layers gives on one device with the
+    concatenated batch: outputs, gradients and every variable, the moving
+    variance tracking the Bessel-corrected batch variance where tf.layers runs
+    its fused kernel (rank 4 and 5, without renorm or adjustment) and the
+    biased one elsewhere (see
+    :func:`tf1_syncbn._tf_layers_rules.tf_layers_runs_fused_kernel`).
+
+    Variables (under the layer's variable scope, ``batch_normalization``,
+    ``batch_normalization_1``, ... or ``name``): ``gamma``, ``beta``,
+    ``moving_mean``, ``moving_variance`` (never partitioned), and with renorm
+    ``moving_stddev``, ``renorm_mean``, ``renorm_stddev``. Calling the layer
+    adds its moving-average updates to ``UPDATE_OPS`` (``layer.updates``);
+    run them with the train op (in the same ``session.run`` as every tower's
+    forward pass: see "When synchronization hangs" in the README). As in
+    tf.layers, a layer with ``trainable=False`` normalizes a training batch
+    with its statistics but never updates the moving statistics.
+
+    Args:
+      axis: the channel axis: an int, or a list of one int; 1 or the last
+        axis (negative values count from the end).
+      momentum: decay of the moving averages (a number or a float scalar tensor).
+      epsilon: added to the variance.
+      center, scale: learn ``beta`` / ``gamma``.
+      beta_initializer, gamma_initializer, moving_mean_initializer,
+        moving_variance_initializer: initializers (callables, or ``'zeros'`` /
+        ``'ones'``).
+      beta_regularizer, gamma_regularizer: callables on the variable; their
+        losses go to ``REGULARIZATION_LOSSES`` and ``layer.losses``.
+      beta_constraint, gamma_constraint: projections the optimizer applies
+        after each update (``variable.constraint``).
+      renorm, renorm_clipping, renorm_momentum: Batch Renormalization with
+        synchronized moments; ``renorm_clipping`` has keys among ``rmax``,
+        ``rmin``, ``dmax``.
+      fused: None or True: the fused path where tf.layers has one; False:
+        never. It decides which variance the moving variance tracks.
+      trainable: whether ``gamma`` and ``beta`` are trainable (and whether the
+        moving statistics are updated, as in tf.layers).
+      virtual_batch_size: not supported (tf.layers' ghost batches need
+        variables of another shape); must be None.
+      adjustment: a function from the input's dynamic shape to ``(scale,
+        bias)``, applied to the normalized values in training.
+      name: the layer's name and variable scope.
+      sync_statistics: ``'auto'`` (default: synchronize over the towers the
+        layer is built in, nothing with one tower), ``'collective'``,
+        ``'nccl'``, ``'horovod'``, None (per-tower statistics) or a
+        :class:`tf1_syncbn.SyncBackend`.
+      num_dev: the number of towers, for towers built without a tower context
+        (``tower_<i>`` / ``clone_<i>`` name scopes).
+      **kwargs: ``dtype`` (the input is cast to it: float16, bfloat16 or
+        float32), and tf.layers' private ``_scope`` and ``_reuse``.
+
+    Raises:
+      TypeError: for an ``axis``, initializer, regularizer or constraint of
+        the wrong type, or an unknown keyword argument.
+    """
+
+    _api_name = 'BatchNormalization'
+
+    def __init__(self, axis=-1, momentum=0.99, epsilon=1e-3, center=True, scale=True,
+                 beta_initializer=tf1.zeros_initializer(),
+                 gamma_initializer=tf1.ones_initializer(),
+                 moving_mean_initializer=tf1.zeros_initializer(),
+                 moving_variance_initializer=tf1.ones_initializer(),
+                 beta_regularizer=None, gamma_regularizer=None, beta_constraint=None,
+                 gamma_constraint=None, renorm=False, renorm_clipping=None,
+                 renorm_momentum=0.99, fused=None, trainable=True, virtual_batch_size=None,
+                 adjustment=None, name=None, sync_statistics='auto', num_dev=None, **kwargs):
+        scope = kwargs.pop('_scope', None)
+        self._reuse = kwargs.pop('_reuse', None)
+        dtype = kwargs.pop('dtype', None)
+        if kwargs:
+            raise TypeError('BatchNormalization: unexpected keyword argument(s) %s.'
+                            % sorted(kwargs))
+        self.dtype = None if dtype is None else tf.as_dtype(dtype)
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise TypeError('BatchNormalization: dtype=%r is not supported; use float16, '
+                            'bfloat16 or float32.' % (dtype,))
+        self.axis = check_axis_type(axis)
+        self.momentum = momentum
+        self.epsilon = epsilon
+        self.center = center
+        self.scale = scale
+        inits = {}
+        for key, value in (('beta_initializer', beta_initializer),
+                           ('gamma_initializer', gamma_initializer),
+                           ('moving_mean_initializer', moving_mean_initializer),
+                           ('moving_variance_initializer', moving_variance_initializer)):
+            inits[key] = check_callable(key, value, initializer=True)
+        for key, value in (('beta_regularizer', beta_regularizer),
+                           ('gamma_regularizer', gamma_regularizer),
+                           ('beta_constraint', beta_constraint),
+                           ('gamma_constraint', gamma_constraint)):
+            inits[key] = check_callable(key, value)
+        self.__dict__.update(inits)
+        self.renorm = renorm
+        self.renorm_clipping = renorm_clipping
+        self.renorm_momentum = renorm_momentum
+        self.fused = fused
+        self._fused_hint = fused
+        self.trainable = trainable
+        self.virtual_batch_size = virtual_batch_size
+        self.adjustment = adjustment
+        self.sync_statistics = sync_statistics
+        self.num_dev = num_dev
+        if isinstance(name, tf1.VariableScope):
+            self._base_name, self.name = name.name, unique_layer_name(tf1.get_default_graph())
+        elif name:
+            self._base_name = self.name = name
+        else:
+            self._base_name, self.name = BASE_NAME, unique_layer_name(tf1.get_default_graph())
+        self._scope = None
+        if scope:
+            with tf1.variable_scope(scope) as captured:
+                self._scope = captured
+        self.built = False
+        self.gamma = self.beta = self.moving_mean = self.moving_variance = None
+        self._trainable_weights, self._non_trainable_weights = [], []
+        self._updates, self._losses = [], []
+        self._params = None
+        self._outer_name_scope = None
+
+    # -- tf.layers' object API ------------------------------------------------------------
+
+    @property
+    def scope_name(self):
+        """The layer's variable scope name (known once the layer is called)."""
+        if self._scope is None:
+            raise ValueError('No name available for layer scope because the layer "%s" has '
+                             'not been used yet. Call the layer before querying scope_name.'
+                             % self.name)
+        return self._scope.name
+
+    @property
+    def trainable_weights(self):
+        return list(self._trainable_weights) if self.trainable else []
+
+    @property
+    def non_trainable_weights(self):
+        if self.trainable:
+            return list(self._non_trainable_weights)
+        return self._trainable_weights + self._non_trainable_weights
+
+    @property
+    def weights(self):
+        return self.trainable_weights + self.non_trainable_weights
+
+    trainable_variables = trainable_weights
+    non_trainable_variables = non_trainable_weights
+    variables = weights
+
+    @property
+    def updates(self):
+        """The moving-average update ops of every call (none when not trainable, as tf.layers)."""
+        return list(self._updates) if self.trainable else []
+
+    @property
+    def losses(self):
+        """The regularization losses of ``gamma`` and ``beta``."""
+        return list(self._losses)
+
+    def apply(self, inputs, *args, **kwargs):
+        """Same as calling the layer."""
+        return self(inputs, *args, **kwargs)
+
+    def __call__(self, inputs, training=False, **kwargs):
+        """Normalizes ``inputs``; the first call creates the variables.
+
+        Args:
+          inputs: a float16, bfloat16 or float32 tensor of rank 2 to 5.
+          training: a Python bool or a scalar bool tensor: True normalizes with
+            the (synchronized) batch statistics and updates the moving ones,
+            False with the moving statistics; None is False (tf.layers' default;
+            Keras' learning phase is not read).
+          **kwargs: ``scope`` (the variable scope of a layer not called yet),
+            ``mask`` (must be None).
+
+        Returns:
+          A tensor with the shape and dtype of ``inputs``.
+
+        Raises:
+          ValueError, TypeError: naming the layer, its scope and the argument.
+        """
+        scope = kwargs.pop('scope', None)
+        if kwargs.pop('mask', None) is not None:
+            raise TypeError('%s(%s): mask is not supported.' % (self._api_name, self.name))
+        if kwargs:
+            raise TypeError('%s(%s): unexpected keyword argument(s) %s.'
+                            % (self._api_name, self.name, sorted(kwargs)))
+        check_graph_mode('tf1_syncbn.layers.%s' % self._api_name)
+        outer = tf1.get_default_graph().get_name_scope()
+        self._set_scope(scope)
+        if not self.built:
+            self._outer_name_scope = outer
+        reuse = True if self.built else self._reuse
+        with tf1.variable_scope(self._scope, reuse=reuse, auxiliary_name_scope=False) as vs:
+            # tf.layers builds every call's ops in the first call's name scope.
+            # Called again under another name scope (another tower_<i>), the
+            # ops go under this one, where the tower is read from.
+            name_scope = vs.original_name_scope if outer == self._outer_name_scope else \
+                vs.name.split('/')[-1]
+            with tf1.name_scope(name_scope):
+                return self._call(inputs, False if training is None else training, vs.name)
+
+    def _set_scope(self, scope=None):
+        """The variable scope of the first call, chosen as tf.layers' ``Layer._set_scope``."""
+        if self._scope is not None:
+            return
+        if self._reuse:
+            with tf1.variable_scope(scope if scope is not None else self._base_name) as captured:
+                self._scope = captured
+        else:
+            with tf1.variable_scope(scope, default_name=self._base_name) as captured:
+                self._scope = captured
+
+    # -- translation into one call of the core --------------------------------------------
+
+    def _call(self, inputs, training, scope_name):
+        layer = '%s(%s)' % (self._api_name, scope_name)
+        x = inputs
+        if self.dtype is not None:
+            x = tf.cast(x, self.dtype)
+        rank = getattr(getattr(x, 'shape', None), 'ndims', None)
+        axis = channel_axis(layer, self.axis, rank)
+        if self.virtual_batch_size is not None:
+            raise ValueError(
+                '%s: virtual_batch_size=%r is not supported. tf.layers\' ghost batch norm '
+                'normalizes strided virtual batches, averages their statistics into the '
+                'moving ones and keeps its variables in shape [1, 1, ..., C]; this layer '
+                'cannot reproduce it yet. Drop virtual_batch_size, or use '
+                'tf1_syncbn.BatchNorm(virtual_batch_size=...) (tensorpack\'s ghost batches).'
+                % (layer, self.virtual_batch_size))
+        options = check_options(
+            layer, arg_names={'is_training': 'training'}, axis=axis, is_training=training,
+            momentum=self.momentum, epsilon=self.epsilon, center=self.center,
+            scale=self.scale, fused=self._fused_hint, renorm=self.renorm,
+            renorm_clipping=self.renorm_clipping, renorm_momentum=self.renorm_momentum,
+            adjustment=self.adjustment, num_dev=self.num_dev,
+            sync_statistics=self.sync_statistics)
+        x, layout = check_inputs(options, x)
+        fused = tf_layers_runs_fused_kernel(self._fused_hint, layout.rank, self.renorm, None,
+                                            self.adjustment)
+        options = options.with_replaced_path(fused, float32_decay=fused)
+        dtype = x.dtype.base_dtype
+        if not fused and dtype != tf.float32:
+            x = tf.cast(x, tf.float32)     # tf.layers' non-fused path computes in float32
+        if not self.built:
+            self._build(layout.channels, options)
+            self.fused, self.axis = fused, [axis]
+            self.built = True
+        before = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
+        outputs = batch_norm(x, layout, options, self._params,
+                             updates_collections=[tf1.GraphKeys.UPDATE_OPS],
+                             update_moving=bool(self.trainable))
+        after = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
+        self._updates.extend(op for op in after[len(before):] if op not in self._updates)
+        return tf.cast(outputs, dtype) if outputs.dtype != dtype else outputs
+
+    def _build(self, channels, options):
+        """Creates the variables as tf.layers does (names, order, collections, losses)."""
+        existing = {id(v) for v in tf1.global_variables()}
+
+        def make(name, initializer, trainable, regularizer=None, constraint=None):
+            variable = tf1.get_variable(
+                name, shape=[channels], dtype=tf.float32, initializer=initializer,
+                trainable=trainable, constraint=constraint,
+                aggregation=(tf.VariableAggregation.NONE if trainable
+                             else STATISTICS_AGGREGATION))
+            parts = [variable]
+            if hasattr(variable, '_get_variable_list'):     # a PartitionedVariable
+                parts = list(variable)
+            (self._trainable_weights if trainable else self._non_trainable_weights).extend(parts)
+            if regularizer is not None and not any(id(p) in existing for p in parts):
+                # As Keras' add_weight: one loss per new variable (or partition),
+                # built now under <layer scope>/<name>/Regularizer.
+                for part in parts:
+                    with tf1.name_scope(name + '/Regularizer'):
+                        loss = regularizer(part)
+                    if loss is not None:
+                        self._losses.append(loss)
+                        tf1.add_to_collection(tf1.GraphKeys.REGULARIZATION_LOSSES, loss)
+            return variable
+
+        trainable = bool(self.trainable)
+        if options.scale:
+            self.gamma = make('gamma', self.gamma_initializer, trainable, self.gamma_regularizer,
+                              self.gamma_constraint)
+        if options.center:
+            self.beta = make('beta', self.beta_initializer, trainable, self.beta_regularizer,
+                             self.beta_constraint)
+        with tf1.variable_scope(tf1.get_variable_scope()) as unpartitioned:
+            unpartitioned.set_partitioner(None)     # statistics are never partitioned
+            self.moving_mean = make('moving_mean', self.moving_mean_initializer, False)
+            self.moving_variance = make('moving_variance', self.moving_variance_initializer,
+                                        False)
+            renorm = None
+            if options.renorm:
+                renorm = RenormVariables.create(lambda n, init: make(n, init, False),
+                                                self.moving_mean_initializer,
+                                                self.moving_variance_initializer)
+                self.moving_stddev, self.renorm_mean, self.renorm_stddev = \
+                    renorm.moving_stddev, renorm.mean, renorm.stddev
+        self._params = Params(self.beta, self.gamma, self.moving_mean, self.moving_variance,
+                              renorm)
+
+
+def batch_normalization(inputs, axis=-1, momentum=0.99, epsilon=1e-3, center=True, scale=True,
+                        beta_initializer=tf1.zeros_initializer(),
+                        gamma_initializer=tf1.ones_initializer(),
+                        moving_mean_initializer=tf1.zeros_initializer(),
+                        moving_variance_initializer=tf1.ones_initializer(),
+                        beta_regularizer=None, gamma_regularizer=None, beta_constraint=None,
+                        gamma_constraint=None, training=False, trainable=True, name=None,
+                        reuse=None, renorm=False, renorm_clipping=None, renorm_momentum=0.99,
+                        fused=None, virtual_batch_size=None, adjustment=None,
+                        sync_statistics='auto', num_dev=None):
+    """``tf.compat.v1.layers.batch_normalization``, with synchronized statistics.
+
+    Builds a :class:`BatchNormalization` and calls it, as tf.layers does: with
+    ``name``, the variables live in exactly that variable scope (another call
+    with the same ``name`` needs ``reuse=True``, or a reusing enclosing
+    scope); without, in ``batch_normalization``, ``batch_normalization_1``,
+    ... Use it wherever tf.layers' function is used::
+
+        y = tf1_syncbn.layers.batch_normalization(x, training=is_training, momentum=0.9)
+        update_ops = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
+        with tf.control_dependencies(update_ops):
+            train_op = optimizer.minimize(loss)
+
+    Args:
+      inputs: a float16, bfloat16 or float32 tensor of rank 2 to 5.
+      training: a Python bool or a scalar bool tensor (default False, as in
+        tf.layers: pass True, or a tensor, to train).
+      name: the variable scope; reuse: reuse its variables.
+      The others: as for :class:`BatchNormalization`.
+
+    Returns:
+      A tensor with the shape and dtype of ``inputs``.
+    """
+    layer = BatchNormalization(
+        axis=axis, momentum=momentum, epsilon=epsilon, center=center, scale=scale,
+        beta_initializer=beta_initializer, gamma_initializer=gamma_initializer,
+        moving_mean_initializer=moving_mean_initializer,
+        moving_variance_initializer=moving_variance_initializer,
+        beta_regularizer=beta_regularizer, gamma_regularizer=gamma_regularizer,
+        beta_constraint=beta_constraint, gamma_constraint=gamma_constraint, renorm=renorm,
+        renorm_clipping=renorm_clipping, renorm_momentum=renorm_momentum, fused=fused,
+        trainable=trainable, virtual_batch_size=virtual_batch_size, adjustment=adjustment,
+        name=name, sync_statistics=sync_statistics, num_dev=num_dev, _reuse=reuse, _scope=name)
+    layer._api_name = 'batch_normalization'   # noqa: SLF001 - for its error messages
+    return layer(inputs, training=training)

@@ -1,0 +1,218 @@
+"""``patch_tf_layers``: ``tf.compat.v1.layers``' batch normalization becomes this library's.
+
+The one place that knows how TensorFlow hands out ``tf.compat.v1.layers``:
+
+* On TensorFlow 2.16+ with Keras 3 (no ``TF_USE_LEGACY_KERAS``),
+  ``tf.compat.v1.layers`` is a ``KerasLazyLoader`` that refuses every name
+  (``AttributeError: `batch_normalization` is not available with Keras 3``).
+  The patch puts this library's two names into the loader itself, so that
+  ``tf.compat.v1.layers.batch_normalization`` and ``.BatchNormalization``
+  work; every other tf.layers name still fails as before.
+* With tf-keras and ``TF_USE_LEGACY_KERAS=1`` the loader imports tf-keras'
+  legacy layers on first use (``tf_keras.api._v1.keras.__internal__.legacy.
+  layers``) and copies that module's names into itself. The patch replaces
+  the two names in the loader, in that module and wherever a loaded module
+  holds tf-keras' objects (names your modules imported included), and, when
+  tf-keras is not loaded yet, once it is: tf-keras is never imported here.
+  ``conv2d``, ``dense`` and the rest stay tf-keras'.
+
+tf-keras' and TensorFlow's own modules (``tf_keras.src``,
+``tensorflow.python``) keep tf-keras' layer, so ``slim.batch_norm``, which
+builds it internally, is unchanged (use :func:`tf1_syncbn.sync_arg_scope`).
+"""
+
+import functools
+import sys
+import threading
+
+from tf1_syncbn import layers
+
+__all__ = ['patch_tf_layers']
+
+_NAMES = ('batch_normalization', 'BatchNormalization')
+#: tf-keras' module that defines the replaced objects (it also holds aliases).
+_KERAS_MODULE = 'tf_keras.src.legacy_tf_layers.normalization'
+#: Modules whose own references stay tf-keras' (the libraries' internals).
+_INTERNAL = ('tf_keras.src.', 'tensorflow.python.')
+#: The submodule TensorFlow's lazy loader of ``tf.compat.v1.layers`` resolves.
+_LOADER_SUBMODULE = '__internal__.legacy.layers'
+_MISSING = object()
+_LOCK = threading.Lock()
+_ACTIVE = []      # the active patch, if any
+
+
+def _is_layers_loader(value):
+    """Whether ``value`` is TensorFlow's lazy loader of ``tf.compat.v1.layers``."""
+    namespace = getattr(value, '__dict__', None)
+    return isinstance(namespace, dict) and \
+        namespace.get('_tfll_submodule') == _LOADER_SUBMODULE
+
+
+def _namespaces():
+    """``(name, object)`` for every loaded module, and the module a TF wrapper wraps."""
+    for key, module in list(sys.modules.items()):
+        namespace = getattr(module, '__dict__', None)
+        if not isinstance(namespace, dict):
+            continue
+        yield namespace.get('__name__', key), module
+        wrapped = namespace.get('_tfmw_wrapped_module')
+        if wrapped is not None:
+            yield key, wrapped
+
+
+class _Patch(object):
+    """The handle :func:`patch_tf_layers` returns: a context manager, or call :meth:`restore`."""
+
+    def __init__(self, replacements):
+        self._replacements = replacements      # {name: this library's object}
+        self._undo = []                        # callables, run in reverse by restore()
+        self._active = True
+
+    def _set(self, space, attribute, value, loader=False):
+        """Sets ``space.attribute``, remembering how to undo it.
+
+        A lazy loader is written to directly: its ``setattr`` would import
+        the module it stands for.
+        """
+        namespace = vars(space)
+        previous = namespace.get(attribute, _MISSING)
+        if previous is value:
+            return
+        if loader:
+            namespace[attribute] = value
+        else:
+            setattr(space, attribute, value)
+
+        def undo():
+            if not loader:
+                setattr(space, attribute, previous)
+            elif previous is _MISSING:
+                namespace.pop(attribute, None)
+            else:
+                namespace[attribute] = previous
+        self._undo.append(undo)
+
+    def _apply(self):
+        """Replaces tf-keras' objects in every loaded module and ``tf.compat.v1.layers``."""
+        keras = sys.modules.get(_KERAS_MODULE)
+        originals = {}
+        if keras is not None:
+            for alias, name in (('batch_normalization', 'batch_normalization'),
+                                ('batch_norm', 'batch_normalization'),
+                                ('BatchNormalization', 'BatchNormalization'),
+                                ('BatchNorm', 'BatchNormalization')):
+                original = vars(keras).get(alias)
+                if original is not None:
+                    originals[id(original)] = self._replacements[name]
+        loaders = {}
+        for name, space in _namespaces():
+            internal = name.startswith(_INTERNAL)
+            for attribute, value in list(vars(space).items()):
+                if _is_layers_loader(value):
+                    loaders[id(value)] = value
+                elif not internal and id(value) in originals:
+                    self._set(space, attribute, originals[id(value)])
+        for loader in loaders.values():
+            for attribute, value in list(vars(loader).items()):
+                if id(value) in originals:
+                    self._set(loader, attribute, originals[id(value)], loader=True)
+            for name in _NAMES:
+                self._set(loader, name, self._replacements[name], loader=True)
+            if '_load' not in vars(loader):
+                self._hook(loader)
+
+    def _hook(self, loader):
+        """Re-applies the patch once ``loader`` imports tf-keras (its ``_load`` copies names)."""
+        def load():
+            module = type(loader)._load(loader)  # noqa: SLF001 - the loader's own method
+            with _LOCK:
+                if self._active:
+                    self._apply()
+            return module
+
+        self._set(loader, '_load', load, loader=True)
+
+    def restore(self):
+        """Puts tf.layers' objects back where they were; idempotent."""
+        with _LOCK:
+            if not self._active:
+                return
+            self._active = False
+            while self._undo:
+                self._undo.pop()()
+            _ACTIVE.remove(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.restore()
+        return False
+
+
+def _replacements(sync_statistics, num_dev):
+    """This library's two objects, with the patch's defaults for its own arguments."""
+    defaults = {'sync_statistics': sync_statistics, 'num_dev': num_dev}
+
+    @functools.wraps(layers.batch_normalization)
+    def batch_normalization(inputs, *args, **kwargs):
+        return layers.batch_normalization(inputs, *args, **dict(defaults, **kwargs))
+
+    class BatchNormalization(layers.BatchNormalization):
+        __doc__ = layers.BatchNormalization.__doc__
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **dict(defaults, **kwargs))
+
+    BatchNormalization.__qualname__ = 'BatchNormalization'
+    BatchNormalization.__module__ = layers.__name__
+    return {'batch_normalization': batch_normalization, 'BatchNormalization': BatchNormalization}
+
+
+def patch_tf_layers(sync_statistics='auto', num_dev=None):
+    """Makes ``tf.compat.v1.layers``' batch normalization this library's.
+
+    After this call, ``tf.compat.v1.layers.batch_normalization`` and
+    ``tf.compat.v1.layers.BatchNormalization`` (also reached as ``tf.layers``
+    with ``import tensorflow.compat.v1 as tf``, and under any name your modules
+    imported them as) are :func:`tf1_syncbn.layers.batch_normalization` and a
+    subclass of :class:`tf1_syncbn.layers.BatchNormalization`: an unmodified
+    tf.layers script runs, on plain TensorFlow 2.16+ as with tf-keras and
+    ``TF_USE_LEGACY_KERAS=1``, and synchronizes where its towers are built
+    (a ``TowerContext``, tensorpack's trainers, a tf.distribute strategy, or
+    ``tower_<i>`` / ``clone_<i>`` name scopes with ``num_dev``)::
+
+        import tf1_syncbn
+        tf1_syncbn.patch_tf_layers(num_dev=4)      # before the model is built
+        ...                                       # the script, unchanged
+
+    Variables keep tf.layers' names, so existing checkpoints restore. The
+    patch is process-wide (do not build another model in another thread
+    meanwhile); undo it with ``restore()`` or a ``with`` block.
+
+    Args:
+      sync_statistics: the layers' default ``sync_statistics`` while the patch
+        is active (``'auto'``: synchronize over the towers they are built in).
+      num_dev: the layers' default ``num_dev`` (the number of towers of a
+        script whose towers are ``tower_<i>`` name scopes).
+
+    Returns:
+      A handle with ``restore()``, usable as a context manager.
+
+    Raises:
+      RuntimeError: when a patch is already active.
+    """
+    with _LOCK:
+        if _ACTIVE:
+            raise RuntimeError('patch_tf_layers: tf.compat.v1.layers is already patched; '
+                               'restore the active patch first.')
+        patch = _Patch(_replacements(sync_statistics, num_dev))
+        try:
+            patch._apply()  # noqa: SLF001
+        except BaseException:
+            patch._active = False  # noqa: SLF001
+            while patch._undo:  # noqa: SLF001
+                patch._undo.pop()()  # noqa: SLF001
+            raise
+        _ACTIVE.append(patch)
+    return patch
