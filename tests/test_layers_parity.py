@@ -1,0 +1,152 @@
+"""tf1_syncbn.layers behaves as tf.layers' batch normalization, option by option.
+
+The invariant: N synchronized towers give what ``tf.compat.v1.layers.
+batch_normalization`` (tf-keras' legacy layer) gives on one device with the
+concatenated batch (here: 3 towers of 3, 0 and 5 examples): outputs, input
+and parameter gradients, and every variable by name, the moving statistics
+included, over three SGD steps; one tower gives it too, with the same
+variables, collections, update ops and fused ops in the graph. The moving
+variance tracks the Bessel-corrected batch variance where tf.layers runs its
+fused kernel (rank 4 and 5), the biased one elsewhere (rank 2 and 3,
+``fused=False``, renorm, adjustment).
+
+The cases port tf-keras' own tests of the legacy layer (see
+``layers_cases.py``); the reference is tf.layers itself, run once for all of
+them in a subprocess (``layers_reference.py``). The structural tests
+(``testCreateBN``, ``testFunctionalReuse``, ``testRegularizers``, ...) are
+scenarios that both sides build and record.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from layers_cases import PARITY_CASES, SCENARIOS, parity_apply, run_scenario
+from layers_reference import reference as run_layers_reference
+from parity_harness import DEFAULT_SIZES, assert_same_numbers, case_data, train_case
+from tf1_syncbn import CollectiveBackend, layers
+
+tf1 = tf.compat.v1
+NAMES = [c['name'] for c in PARITY_CASES]
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
+    return run_layers_reference(tmp_path_factory)
+
+
+def _reference(reference, case):
+    ref, info = reference['parity'][PARITY_CASES.index(case)]
+    if 'error' in info:
+        pytest.fail('tf.layers itself failed on this case: %s' % info['error'])
+    return ref, info
+
+
+def _ours(case, sizes):
+    extra = {}
+    if len(sizes) > 1:
+        extra['sync_statistics'] = CollectiveBackend(timeout=60)
+    apply = functools.partial(_apply, case, extra)
+    return train_case(apply, case, PARITY_CASES.index(case), sizes)
+
+
+def _apply(case, extra, x, weights, training, tower, towers):
+    del weights, towers
+    return parity_apply(layers, case, x, training, tower, extra)
+
+
+@pytest.mark.parametrize('case', PARITY_CASES, ids=NAMES)
+def test_one_tower_is_tf_layers(reference, case):
+    ref, ref_info = _reference(reference, case)
+    ours, info = _ours(case, [case['shape'][0]])
+    assert_same_numbers(ours, ref, case, 1)
+    for key in ('global_variables', 'model_variables', 'trainable_variables'):
+        assert info[key] == ref_info[key], key
+    # Update ops as tf.layers names them (with a bool tensor, tf.layers wraps
+    # each one in a cond; ours are gated without one: the count is the same).
+    if case.get('training_tensor'):
+        assert len(info['update_ops']) == len(ref_info['update_ops'])
+    else:
+        assert info['update_ops'] == ref_info['update_ops']
+    missing = set(ref_info['fused_ops']) - set(info['fused_ops'])
+    assert not missing, 'tf.layers has fused ops %s, we do not' % sorted(missing)
+
+
+@pytest.mark.parametrize('case', PARITY_CASES, ids=NAMES)
+def test_towers_are_tf_layers_on_the_concatenated_batch(reference, case):
+    ref, ref_info = _reference(reference, case)
+    ours, info = _ours(case, DEFAULT_SIZES)
+    assert_same_numbers(ours, ref, case, len(DEFAULT_SIZES))
+    assert info['global_variables'] == ref_info['global_variables']
+    assert info['trainable_variables'] == ref_info['trainable_variables']
+
+
+def test_the_variance_convention_is_exercised(reference):
+    """The reference tracks the unbiased variance fused (rank 4, 5), the biased one elsewhere.
+
+    A check of the reference itself: the parity tests above cannot pass with
+    one convention everywhere.
+    """
+    expected = {'rank4-axis3': 1, 'rank5-axis-4-object': 1, 'rank3-axis1': 0, 'rank2': 0,
+                'fused=False-rank4-axis1': 0, 'fused=True-rank3-axis1': 0}
+    for name, ddof in expected.items():
+        index = NAMES.index(name)
+        case = PARITY_CASES[index]
+        x = case_data(case, index)['x/0']
+        first = case['kwargs']['axis'] in (1, [1], -4) and x.ndim > 2
+        flat = (np.moveaxis(x, 1, -1) if first else x).reshape(-1, x.shape[1 if first else -1])
+        moving = reference['parity'][index][0]['var/0/net/bn/moving_variance']
+        momentum = case['kwargs']['momentum']
+        tracked = [np.allclose(moving, momentum + (1 - momentum) * flat.var(0, ddof=d),
+                               rtol=1e-5) for d in (0, 1)]
+        assert tracked == [ddof == 0, ddof == 1], name
+
+
+@pytest.mark.parametrize('name', sorted(SCENARIOS))
+def test_object_api_names_and_collections_are_tf_layers(reference, name):
+    """testCreateBN, testFunctionalReuse, testRegularizers, ...: the same record on both sides.
+
+    Names of variables and layers, automatic numbering, reuse by ``name`` and
+    by scope, the layer's lists (variables, trainable, updates, losses), the
+    collections, regularization losses by name and value.
+    """
+    ref = reference['scenarios'][name]
+    assert 'error' not in ref, ref
+    ours = run_scenario(layers, name)
+    if name == 'regularizers':
+        np.testing.assert_allclose(ours.pop('values'), ref.pop('values'), rtol=1e-6)
+    assert ours == ref
+
+
+def _build(x, **kwargs):
+    with tf.Graph().as_default():
+        return layers.batch_normalization(tf1.placeholder(tf.float32, x), **kwargs)
+
+
+@pytest.mark.parametrize('shape,kwargs,error,match', [
+    # testMultiAxisInvalid: out of bounds, duplicate.
+    ([6, 5, 4, 3], {'axis': [1, 4]}, ValueError, r'invalid axis=\[1, 4\] for inputs of rank 4'),
+    ([6, 5, 4, 3], {'axis': [-5, 1]}, ValueError, r'invalid axis=\[-5, 1\]'),
+    ([6, 5, 4, 3], {'axis': [1, 2, 1]}, ValueError, r'invalid axis=\[1, 2, 1\]'),
+    # What the core does not compute: several axes, a middle axis, ghost batches.
+    ([6, 5, 4, 3], {'axis': [1, 3]}, ValueError, r'axis=\[1, 3\] normalizes over several'),
+    ([6, 5, 4, 3], {'axis': 2, 'name': 'mid'}, ValueError,
+     r'batch_normalization\(mid\): axis=2: only the channel axis 1 or the last axis \(3\)'),
+    ([6, 5, 4, 3], {'virtual_batch_size': 3}, ValueError, r'virtual_batch_size=3 is not'),
+    ([6, 5, 4, 3], {'virtual_batch_size': -1}, ValueError, r'virtual_batch_size=-1'),
+    ([6, 3], {'axis': 'a'}, TypeError, "argument 'axis'"),
+    ([6, 3], {'renorm': True, 'renorm_clipping': {'x': 1}}, ValueError,
+     r"unknown renorm_clipping key\(s\) \['x'\]"),
+    ([6, 3], {'training': 1}, TypeError, r'training must be a Python bool or a scalar bool'),
+    ([6, 3], {'gamma_initializer': 'glorot_uniform'}, TypeError, 'gamma_initializer must be'),
+])
+def test_errors_name_the_layer_and_the_argument(shape, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        _build(shape, **kwargs)
+
+
+def test_an_unknown_keyword_is_a_type_error():
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['foo'\]"):
+        layers.BatchNormalization(foo=1)
