@@ -21,6 +21,7 @@ do; each has a deadline (the strategy's own collectives have no timeout).
 
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ import pytest
 import distribute_worker
 from legacy_reference import run_reference
 from strategy_case import STEPS
-from tf1_syncbn.launch import Launcher
+from tf1_syncbn.launch import Launcher, free_ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, 'tests', 'distribute_worker.py')
@@ -36,14 +37,15 @@ TOTAL = 8
 #: name: (rows per worker, --sync)
 RUNS = {'uneven': ('3,5', 'auto'), 'chief-empty': ('0,8', 'auto'),
         'per-worker': ('3,5', 'none')}
-#: Seconds each run may take; its workers are stopped after that.
+#: Seconds the runs (all at once) and the reference may take; workers still
+#: running then are stopped.
 DEADLINE = 240
 #: The layers' collective timeout in the workers (a step waiting longer fails).
 COLLECTIVE_TIMEOUT = 120
 
-# Whichever test comes first runs the module fixture: the reference and the
-# runs' deadlines, one after the other at worst.
-pytestmark = pytest.mark.timeout(2 * DEADLINE + 60)
+# Whichever test comes first runs the module fixture (at most DEADLINE, plus
+# the launchers' grace and the stopping of the workers).
+pytestmark = pytest.mark.timeout(DEADLINE + 120)
 
 REFERENCE_SCRIPT = '''
 import sys
@@ -70,20 +72,24 @@ def runs(tmp_path_factory):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3',
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]))
     launchers, outs = {}, {}
+    # Every port at once, so that two runs never get the same one.
+    ports = iter(free_ports(2 * len(RUNS)))
     for name, (sizes, sync) in RUNS.items():
         outs[name] = str(tmp_path_factory.mktemp('mwms_' + name))
         launchers[name] = Launcher(
             [sys.executable, WORKER, '--sizes', sizes, '--sync', sync, '--out', outs[name],
              '--timeout', str(COLLECTIVE_TIMEOUT)],
-            2, env=env, output=None, grace=10)
+            2, env=env, output=None, grace=10,
+            addresses=['localhost:%d' % next(ports) for _ in range(2)])
     try:
         for launcher in launchers.values():
             launcher.start()
+        deadline = time.time() + DEADLINE
         tmp = tmp_path_factory.mktemp('mwms_reference')
         run_reference(REFERENCE_SCRIPT, tmp, args=[distribute_worker.SLIM_LAYER, str(TOTAL)],
-                      timeout=DEADLINE)
+                      timeout=DEADLINE)     # (also within the deadline: it starts at once)
         reference = dict(np.load(str(tmp / 'slim_reference.npz')))
-        statuses = {name: launcher.wait(timeout=DEADLINE)
+        statuses = {name: launcher.wait(timeout=max(1.0, deadline - time.time()))
                     for name, launcher in launchers.items()}
     finally:
         for launcher in launchers.values():
