@@ -50,18 +50,18 @@ def unique_layer_name(graph):
     return '%s_%d' % (BASE_NAME, counter[0])
 
 
-def check_axis_type(axis):
+def check_axis_type(layer, axis):
     """``axis`` as tf.layers takes it: an int, or a non-empty list/tuple of ints (as a list)."""
     if isinstance(axis, (list, tuple)) and axis and \
             all(isinstance(a, int) and not isinstance(a, bool) for a in axis):
         return list(axis)
     if isinstance(axis, int) and not isinstance(axis, bool):
         return axis
-    raise TypeError("BatchNormalization: expected an int or a list/tuple of ints for the "
-                    "argument 'axis', but received: %r" % (axis,))
+    raise TypeError("%s: expected an int or a list/tuple of ints for the argument 'axis', "
+                    "but received: %r" % (layer, axis))
 
 
-def check_callable(name, value, initializer=False):
+def check_callable(layer, name, value, initializer=False):
     """An initializer (a callable, ``'zeros'``, ``'ones'``), or a regularizer / constraint."""
     if value is None and not initializer:
         return None
@@ -69,8 +69,8 @@ def check_callable(name, value, initializer=False):
         return _INITIALIZER_NAMES[value]()
     if callable(value):
         return value
-    raise TypeError("BatchNormalization: %s must be a callable%s, got %r." % (
-        name, " (or 'zeros', 'ones')" if initializer else ' or None', value))
+    raise TypeError("%s: %s must be a callable%s, got %r." % (
+        layer, name, " (or 'zeros', 'ones')" if initializer else ' or None', value))
 
 
 def channel_axis(layer, axis, rank):

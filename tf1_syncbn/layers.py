@@ -105,30 +105,36 @@ class BatchNormalization(object):
         scope = kwargs.pop('_scope', None)
         self._reuse = kwargs.pop('_reuse', None)
         dtype = kwargs.pop('dtype', None)
+        if isinstance(name, tf1.VariableScope):
+            self._base_name, self.name = name.name, unique_layer_name(tf1.get_default_graph())
+        elif name:
+            self._base_name = self.name = name
+        else:
+            self._base_name, self.name = BASE_NAME, unique_layer_name(tf1.get_default_graph())
+        layer = '%s(%s)' % (self._api_name, self.name)
         if kwargs:
-            raise TypeError('BatchNormalization: unexpected keyword argument(s) %s.'
-                            % sorted(kwargs))
+            raise TypeError('%s: unexpected keyword argument(s) %s.' % (layer, sorted(kwargs)))
         self.dtype = None if dtype is None else tf.as_dtype(dtype)
         if self.dtype is not None and self.dtype not in DTYPES:
-            raise TypeError('BatchNormalization: dtype=%r is not supported; use float16, '
-                            'bfloat16 or float32.' % (dtype,))
-        self.axis = check_axis_type(axis)
+            raise TypeError('%s: dtype=%r is not supported; use float16, bfloat16 or float32.'
+                            % (layer, dtype))
+        self.axis = check_axis_type(layer, axis)
         self.momentum = momentum
         self.epsilon = epsilon
         self.center = center
         self.scale = scale
-        inits = {}
+        checked = {}
         for key, value in (('beta_initializer', beta_initializer),
                            ('gamma_initializer', gamma_initializer),
                            ('moving_mean_initializer', moving_mean_initializer),
                            ('moving_variance_initializer', moving_variance_initializer)):
-            inits[key] = check_callable(key, value, initializer=True)
+            checked[key] = check_callable(layer, key, value, initializer=True)
         for key, value in (('beta_regularizer', beta_regularizer),
                            ('gamma_regularizer', gamma_regularizer),
                            ('beta_constraint', beta_constraint),
                            ('gamma_constraint', gamma_constraint)):
-            inits[key] = check_callable(key, value)
-        self.__dict__.update(inits)
+            checked[key] = check_callable(layer, key, value)
+        self.__dict__.update(checked)
         self.renorm = renorm
         self.renorm_clipping = renorm_clipping
         self.renorm_momentum = renorm_momentum
@@ -139,12 +145,6 @@ class BatchNormalization(object):
         self.adjustment = adjustment
         self.sync_statistics = sync_statistics
         self.num_dev = num_dev
-        if isinstance(name, tf1.VariableScope):
-            self._base_name, self.name = name.name, unique_layer_name(tf1.get_default_graph())
-        elif name:
-            self._base_name = self.name = name
-        else:
-            self._base_name, self.name = BASE_NAME, unique_layer_name(tf1.get_default_graph())
         self._scope = None
         if scope:
             with tf1.variable_scope(scope) as captured:
@@ -340,6 +340,12 @@ class BatchNormalization(object):
                               renorm)
 
 
+class _Function(BatchNormalization):
+    """The layer :func:`batch_normalization` builds (its errors name the function)."""
+
+    _api_name = 'batch_normalization'
+
+
 def batch_normalization(inputs, axis=-1, momentum=0.99, epsilon=1e-3, center=True, scale=True,
                         beta_initializer=tf1.zeros_initializer(),
                         gamma_initializer=tf1.ones_initializer(),
@@ -373,7 +379,7 @@ def batch_normalization(inputs, axis=-1, momentum=0.99, epsilon=1e-3, center=Tru
     Returns:
       A tensor with the shape and dtype of ``inputs``.
     """
-    layer = BatchNormalization(
+    layer = _Function(
         axis=axis, momentum=momentum, epsilon=epsilon, center=center, scale=scale,
         beta_initializer=beta_initializer, gamma_initializer=gamma_initializer,
         moving_mean_initializer=moving_mean_initializer,
@@ -383,5 +389,4 @@ def batch_normalization(inputs, axis=-1, momentum=0.99, epsilon=1e-3, center=Tru
         renorm_clipping=renorm_clipping, renorm_momentum=renorm_momentum, fused=fused,
         trainable=trainable, virtual_batch_size=virtual_batch_size, adjustment=adjustment,
         name=name, sync_statistics=sync_statistics, num_dev=num_dev, _reuse=reuse, _scope=name)
-    layer._api_name = 'batch_normalization'   # noqa: SLF001 - for its error messages
     return layer(inputs, training=training)
