@@ -1,7 +1,9 @@
 """Runs ``tf_layers_script.py`` unmodified under ``tf1_syncbn.patch_tf_layers()``.
 
 Records what ``tf.compat.v1.layers`` hands out before the patch, while it is
-active (after the script ran) and after ``restore()``, into ``OUT.patch.json``:
+active (after the script ran) and after ``restore()``, into ``OUT.patch.json``
+(with tf-keras, also a second patch once tf-keras is loaded and a module
+holds its function):
 so a test can tell that the environment is the one it claims (plain
 TensorFlow: ``AttributeError ... not available with Keras 3``; tf-keras: its
 legacy layers not loaded yet when the patch is applied, tf-keras' ``conv2d``
@@ -16,6 +18,7 @@ import json
 import os
 import runpy
 import sys
+import types
 
 import tensorflow as tf
 
@@ -29,6 +32,20 @@ def _lookup(name):
         return getattr(tf.compat.v1.layers, name).__module__
     except AttributeError as e:
         return 'AttributeError: %s' % e
+
+
+def _patch_with_keras_loaded(tf1_syncbn):
+    """A second patch, now that tf-keras is loaded and a module holds its function."""
+    user = types.ModuleType('user_module')       # as `from ... import batch_normalization`
+    user.bn = tf.compat.v1.layers.batch_normalization
+    sys.modules[user.__name__] = user
+    try:
+        with tf1_syncbn.patch_tf_layers():
+            during = [user.bn.__module__, _lookup('batch_normalization')]
+        return {'during': during, 'after': [user.bn.__module__,
+                                            _lookup('batch_normalization')]}
+    finally:
+        del sys.modules[user.__name__]
 
 
 def main():
@@ -45,6 +62,8 @@ def main():
     patch.restore()
     record['after'] = {name: _lookup(name) for name in ('batch_normalization',
                                                         'BatchNormalization')}
+    if os.environ.get('TF_USE_LEGACY_KERAS'):
+        record['loaded'] = _patch_with_keras_loaded(tf1_syncbn)
     with open(sys.argv[2][:-len('.npz')] + '.patch.json', 'w') as f:
         json.dump(record, f)
 

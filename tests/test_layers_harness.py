@@ -83,8 +83,12 @@ def test_an_unmodified_tf_layers_script_on_4_towers_is_tf_layers_on_one(referenc
                                    'BatchNormalization': ours_module,
                                    'conv2d': 'tf_keras.src.legacy_tf_layers.convolutional',
                                    'dense': 'tf_keras.src.legacy_tf_layers.core'}
+        keras = 'tf_keras.src.legacy_tf_layers.normalization'
         assert patch['after'] == dict.fromkeys(('batch_normalization', 'BatchNormalization'),
-                                               'tf_keras.src.legacy_tf_layers.normalization')
+                                               keras)
+        # Patched again with tf-keras loaded: a module's imported name too.
+        assert patch['loaded'] == {'during': [ours_module, ours_module],
+                                   'after': [keras, keras]}
     else:
         assert patch['before'] == KERAS_3_ERROR % 'batch_normalization'
         assert patch['during'] == {'batch_normalization': ours_module,
