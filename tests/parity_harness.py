@@ -171,8 +171,9 @@ def train_case(apply, case, index, sizes):
                 arrays['dx/%d' % step] = _unsplit(grad_values[:towers], rows)
                 for v, g in zip(variables, grad_values[towers:]):
                     arrays['grad/%d/%s' % (step, v.op.name)] = g
-                for v in tf1.global_variables():
-                    arrays['var/%d/%s' % (step, v.op.name)] = sess.run(v)
+                everything = tf1.global_variables()   # one run: one executor, not one each
+                for v, value in zip(everything, sess.run(everything)):
+                    arrays['var/%d/%s' % (step, v.op.name)] = value
             feed = {x_eval: data['x/eval']}
             if training is not True:
                 feed[training] = False

@@ -22,10 +22,12 @@ running plain renorm on an equivalent problem:
   that moving mean: its output is recomputed with numpy from slim's final
   variables.
 
-Every case on one tower and on 3 uneven towers (one empty), on both kernel
-sets, and with oneDNN off (``without_onednn``).
+Every case on one tower and on 3 uneven towers (one empty): on the compiled
+kernels, and on the stock kernels with oneDNN off in a child run
+(``without_onednn``).
 """
 
+import contextlib
 import json
 import os
 import pathlib
@@ -37,7 +39,7 @@ import tensorflow as tf
 from legacy_reference import run_reference
 from parity_harness import DEFAULT_SIZES, STEPS, assert_same_numbers, case_data, train_case
 from tf1_syncbn import CollectiveBackend, sync_batch_norm
-from without_onednn import run_stock_cases_without_onednn
+from without_onednn import kernel_set, kernel_sets, run_stock_cases_without_onednn
 
 tf1 = tf.compat.v1
 
@@ -160,8 +162,9 @@ def _ours(case, sizes, kernel_impl=None):
     if len(sizes) > 1:
         def layer(x, **kwargs):
             return sync_batch_norm(x, sync_statistics=CollectiveBackend(timeout=60), **kwargs)
-    ours, info = train_case(lambda *args: renorm_apply(layer, case, *args), case,
-                            CASES.index(case), sizes)
+    with kernel_set(kernel_impl) if kernel_impl else contextlib.nullcontext():
+        ours, info = train_case(lambda *args: renorm_apply(layer, case, *args), case,
+                                CASES.index(case), sizes)
     if kernel_impl == 'stock':
         assert info['kernel_ops'] == 0, 'the stock kernel set used the compiled kernels'
     return ours, info
@@ -175,6 +178,7 @@ def test_one_tower_is_slims_renorm_on_the_equivalent_problem(slim_arrays, case):
         assert not info['update_ops']
 
 
+@pytest.mark.parametrize('kernel_impl', kernel_sets())
 @pytest.mark.parametrize('case', CASES, ids=NAMES)
 def test_towers_are_slims_renorm_on_the_concatenated_batch(slim_arrays, case, kernel_impl):
     ours, info = _ours(case, DEFAULT_SIZES, kernel_impl)

@@ -15,8 +15,13 @@ rank 3, ``batch_weights``, ``adjustment``, renorm, and rank 5 with
 The reference is tf-slim itself, run once for every case of this module in one
 subprocess with legacy Keras (``legacy_reference.py``), through the same
 ``parity_harness.train_case`` as this library.
+
+The multi-tower cases run on the compiled CPU kernels in the test process, and
+on TensorFlow's stock kernels with oneDNN off (what GPU towers run) in a child
+pytest that reuses the reference's results (``without_onednn``).
 """
 
+import contextlib
 import functools
 import json
 import os
@@ -28,7 +33,7 @@ import tensorflow as tf
 
 from legacy_reference import run_reference
 from parity_harness import DEFAULT_SIZES, assert_same_numbers, train_case
-from without_onednn import run_stock_cases_without_onednn
+from without_onednn import in_child, kernel_set, kernel_sets, run_stock_cases_without_onednn
 from tf1_syncbn import CollectiveBackend, sync_batch_norm
 
 tf1 = tf.compat.v1
@@ -191,6 +196,14 @@ CASES += [
 ]
 NAMES = [c['name'] for c in CASES]
 assert len(set(NAMES)) == len(NAMES)
+# The cases whose multi-tower run also runs on the stock kernels with oneDNN off
+# (the child run of test_stock_kernels_without_onednn). The others vary only
+# which variables exist and how the moving averages are assigned (partitions,
+# update collections, decay, zero-debiasing), from the same batch statistics
+# and gradients, which the kernel set does not touch: their cases run on the
+# compiled kernels, and every layout they use is in the first list.
+PLUMBING = ('zero_debias', 'updates=', 'partitioned', 'decay')
+STOCK_CASES = [c for c in CASES if not c['name'].startswith(PLUMBING)]
 
 
 #: Where a child run (without_onednn) finds this module's reference results.
@@ -238,8 +251,9 @@ def _ours(case, sizes, kernel_impl=None):
     layer = sync_batch_norm
     if towers > 1:
         layer = functools.partial(sync_batch_norm, sync_statistics=CollectiveBackend(timeout=60))
-    ours, info = train_case(lambda *args: slim_apply(layer, case, *args), case,
-                            CASES.index(case), sizes)
+    with kernel_set(kernel_impl) if kernel_impl else contextlib.nullcontext():
+        ours, info = train_case(lambda *args: slim_apply(layer, case, *args), case,
+                                CASES.index(case), sizes)
     if kernel_impl == 'stock':   # (the compiled set's slow paths use stock ops too)
         assert info['kernel_ops'] == 0, 'the stock kernel set used the compiled kernels'
     return ours, info
@@ -260,9 +274,14 @@ def test_one_tower_is_slim(slim_results, case):
     assert not missing, 'slim has fused ops %s, we do not' % sorted(missing)
 
 
-@pytest.mark.parametrize('case', CASES, ids=NAMES)
+@pytest.mark.parametrize('kernel_impl', kernel_sets())
+@pytest.mark.parametrize('case', STOCK_CASES if in_child() else CASES,
+                         ids=lambda case: case['name'])
 def test_towers_are_slim_on_the_concatenated_batch(slim_results, case, kernel_impl):
-    """Both kernel sets (one tower does not synchronize: its test runs once)."""
+    """The compiled kernels here, the stock ones with oneDNN off in a child run.
+
+    (One tower does not synchronize: its test runs once.)
+    """
     ref, ref_info = _reference(slim_results, case)
     sizes = case.get('sizes', DEFAULT_SIZES)
     ours, info = _ours(case, sizes, kernel_impl)
@@ -300,11 +319,11 @@ def test_the_variance_convention_is_exercised(slim_results):
 
 
 def test_stock_kernels_without_onednn(slim_reference_dir, tmp_path):
-    """Every multi-tower case on the stock kernels with oneDNN off (GPU towers' kernel set).
+    """The multi-tower cases on the stock kernels with oneDNN off (GPU towers' kernel set).
 
     In a child pytest (``without_onednn``), with tf-slim's results of this run.
     """
-    run_stock_cases_without_onednn(__file__, tmp_path, expected=len(CASES),
+    run_stock_cases_without_onednn(__file__, tmp_path, expected=len(STOCK_CASES),
                                    extra_env={REFERENCE_DIR_VARIABLE: str(slim_reference_dir)})
 
 

@@ -14,8 +14,13 @@ single-device path instead, which is what these tests compare with.
 
 The reference is tensorpack itself, run once for every case of this module in
 one subprocess with legacy Keras, through the same ``parity_harness.train_case``.
+
+The multi-tower cases run on the compiled CPU kernels in the test process, and
+on TensorFlow's stock kernels with oneDNN off (what GPU towers run) in a child
+pytest that reuses the reference's results (``without_onednn``).
 """
 
+import contextlib
 import json
 import os
 import pathlib
@@ -30,7 +35,7 @@ from legacy_reference import run_reference
 from parity_harness import DEFAULT_SIZES, assert_same_numbers, train_case
 import tf1_syncbn
 from tf1_syncbn import BatchNorm, CollectiveBackend
-from without_onednn import run_stock_cases_without_onednn
+from without_onednn import kernel_set, kernel_sets, run_stock_cases_without_onednn
 
 tf1 = tf.compat.v1
 
@@ -181,7 +186,8 @@ def _ours(case, sizes, kernel_impl=None):
             extra['sync_statistics'] = CollectiveBackend(timeout=60)
         return tensorpack_apply(tf1_syncbn, case, x, training, tower, **extra)
 
-    ours, info = train_case(apply, case, CASES.index(case), sizes)
+    with kernel_set(kernel_impl) if kernel_impl else contextlib.nullcontext():
+        ours, info = train_case(apply, case, CASES.index(case), sizes)
     if kernel_impl == 'stock':   # (the compiled set's slow paths use stock ops too)
         assert info['kernel_ops'] == 0, 'the stock kernel set used the compiled kernels'
     return ours, info
@@ -204,9 +210,13 @@ def test_one_tower_is_tensorpack(tensorpack_results, case):
                                            if v not in ref_info['trainable_variables']]
 
 
+@pytest.mark.parametrize('kernel_impl', kernel_sets())
 @pytest.mark.parametrize('case', CASES, ids=NAMES)
 def test_towers_are_tensorpack_on_the_concatenated_batch(tensorpack_results, case, kernel_impl):
-    """Both kernel sets (one tower does not synchronize: its test runs once)."""
+    """The compiled kernels here, the stock ones with oneDNN off in a child run.
+
+    (One tower does not synchronize: its test runs once.)
+    """
     ref, ref_info = _reference(tensorpack_results, case)
     sizes = case.get('sizes', DEFAULT_SIZES)
     ours, info = _ours(case, sizes, kernel_impl)

@@ -18,6 +18,7 @@ nothing.
 """
 
 import collections
+import contextlib
 import inspect
 import os
 import re
@@ -165,3 +166,25 @@ def run_stock_cases_without_onednn(module, tmp_path, expected, extra_env=None, t
       keyword: the ``-k`` expression that selects the cases.
     """
     return ChildRun([module], tmp_path, extra_env, timeout, keyword).check(module, expected)
+
+
+def kernel_sets():
+    """The kernel sets a parity module's multi-tower tests run on in this process.
+
+    ``['custom']`` in the test process (the compiled kernels, oneDNN on),
+    ``['stock']`` in the child run (TensorFlow's kernels, oneDNN off: what GPU
+    towers run). A parity case costs about 4x as much on the stock set, so
+    these modules do not also run it with oneDNN on; the exactness, numerics,
+    formats and harness modules do (``kernel_impl``).
+    """
+    return ['stock'] if in_child() else ['custom']
+
+
+@contextlib.contextmanager
+def kernel_set(name):
+    """Builds layers with the kernel set ``name`` (``'custom'`` or ``'stock'``) in the block."""
+    from tf1_syncbn import kernels  # noqa: PLC0415
+    with kernels.use_custom_kernels(name == 'custom'):
+        if name == 'custom':
+            assert kernels.load() is not None, kernels.status()
+        yield
