@@ -24,6 +24,7 @@ builds it internally, is unchanged (use :func:`tf1_syncbn.sync_arg_scope`).
 import functools
 import sys
 import threading
+import types
 
 from tf1_syncbn import layers
 
@@ -41,18 +42,26 @@ _LOCK = threading.Lock()
 _ACTIVE = []      # the active patch, if any
 
 
+def _namespace(value):
+    """``value.__dict__``, or None (some proxies raise on any attribute access)."""
+    try:
+        namespace = object.__getattribute__(value, '__dict__')
+    except Exception:  # noqa: BLE001 - no namespace to look into, whatever the reason
+        return None
+    return namespace if isinstance(namespace, dict) else None
+
+
 def _is_layers_loader(value):
     """Whether ``value`` is TensorFlow's lazy loader of ``tf.compat.v1.layers``."""
-    namespace = getattr(value, '__dict__', None)
-    return isinstance(namespace, dict) and \
-        namespace.get('_tfll_submodule') == _LOADER_SUBMODULE
+    namespace = _namespace(value) if isinstance(value, types.ModuleType) else None
+    return namespace is not None and namespace.get('_tfll_submodule') == _LOADER_SUBMODULE
 
 
 def _namespaces():
     """``(name, object)`` for every loaded module, and the module a TF wrapper wraps."""
     for key, module in list(sys.modules.items()):
-        namespace = getattr(module, '__dict__', None)
-        if not isinstance(namespace, dict):
+        namespace = _namespace(module)
+        if namespace is None:
             continue
         yield namespace.get('__name__', key), module
         wrapped = namespace.get('_tfmw_wrapped_module')
