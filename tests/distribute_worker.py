@@ -4,8 +4,8 @@ Started by ``tests/test_distribute_multi_worker.py`` as 2 local processes,
 each with its own ``TF_CONFIG`` (:class:`tf1_syncbn.launch.Launcher`). Each
 worker runs one replica on its CPU and trains the model of
 ``strategy_case.py`` for ``strategy_case.STEPS`` SGD steps, its batch norm
-being two of the library's layers (:func:`layer`), on rows ``sizes[:rank]`` onwards of the global batch (its own share,
-uneven between workers if ``--sizes`` says so), the optimizer inside the
+being two of the library's layers (:func:`make_layer`), on its own rows of
+the global batch (``--sizes``: 3 and 5, or 0 and 8), the optimizer inside the
 replica function with the ``UPDATE_OPS`` as control dependencies, as TF1 code
 under a strategy does.
 
