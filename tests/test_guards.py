@@ -165,3 +165,28 @@ def test_an_infinite_or_huge_timeout_never_aborts_a_step(graph, timeout):
         sess.run(tf1.global_variables_initializer())
         for _ in range(3):
             sess.run(ys, feed)
+
+
+@pytest.mark.parametrize('training', ['python', 'tensor'])
+def test_every_tower_reads_the_renorm_statistics_before_its_all_reduce(graph, training):
+    """Else a tower could read them after the main tower's update in the same step.
+
+    The main tower updates ``renorm_mean`` and ``renorm_stddev`` after the
+    forward all-reduce; every tower must have read them before it (a race seen
+    with a tensor ``is_training`` on 3 towers: some steps of towers 1 and 2
+    used the updated values).
+    """
+    is_training = tf1.placeholder(tf.bool, []) if training == 'tensor' else True
+    net = build_towers(lambda x: sync_batch_norm(x, renorm=True, is_training=is_training,
+                                                 sync_statistics=CollectiveBackend(30)),
+                       3, (None, 3))
+    tf.gradients(net['loss'], net['xs'])
+    graphs = _graphs(graph)
+    callers = _callers(graphs)
+    forward = {(getattr(g, 'name', ''), op.name): op for g in graphs for op in g.get_operations()
+               if op.type == 'CollectiveReduce' and 'gradients' not in op.name
+               and 'grad' not in getattr(g, 'name', '')}.values()
+    assert len(forward) == 3
+    for op in forward:
+        reads = [a for a in _ancestors(op, callers) if a.type == 'ReadVariableOp']
+        assert len(reads) >= 2, (op.name, [a.name for a in reads])

@@ -99,13 +99,21 @@ Attributes:
 """
 
 
-def global_moments(x4, fmt, weights, plan):
+def global_moments(x4, fmt, weights, plan, before=()):
     """Global (optionally weighted) moments built from differentiable ops.
 
     The caller normalizes with separate ops and TensorFlow differentiates
     through the moments, the float64 packing and
     :func:`all_reduce_with_gradient` (one packed all-reduce forward and one
     backward).
+
+    Args:
+      x4, fmt: the canonical view and its layout.
+      weights: per-example weights, or None.
+      plan: the call's :class:`~tf1_syncbn._plan.SyncPlan`, or None.
+      before: tensors that must be computed before this tower's all-reduce
+        starts (renorm's reads of its statistics: the main tower updates them
+        only after the all-reduce, so after every tower has read them).
 
     Returns:
       :class:`GlobalMoments`.
@@ -114,7 +122,9 @@ def global_moments(x4, fmt, weights, plan):
     shift = _math.batch_shift(x4, fmt)
     xs4 = x4 - tf.reshape(tf.cast(shift, x4.dtype), _math.broadcast_shape(fmt, channels))
     count, mean_s, m2 = _math.weighted_local_moments(xs4, fmt, weights)
-    packed = all_reduce_with_gradient(_math.pack_moments(count, shift, mean_s, m2), plan)
+    with tf.control_dependencies(before):
+        packed = _math.pack_moments(count, shift, mean_s, m2)
+    packed = all_reduce_with_gradient(packed, plan)
     n64, mean64, var64 = _math.unpack_moments(packed, channels)
     return GlobalMoments(tf.cast(mean64, _math.STAT_DTYPE), tf.cast(var64, _math.STAT_DTYPE),
                          tf.cast(n64, _math.STAT_DTYPE))

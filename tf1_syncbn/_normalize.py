@@ -107,13 +107,18 @@ def _slow(x, x4, fmt, layout, options, params, gamma, beta, plan, weights):
     exact for data near the mean; the moments themselves are computed around
     a shift (:func:`tf1_syncbn._engine.global_moments`).
     """
-    moments = _engine.global_moments(x4, fmt, weights, plan)
+    renorm_reads = ()
+    if options.renorm:
+        # Every tower reads the renorm statistics before its all-reduce, which
+        # the main tower's updates of them wait for: no tower reads them updated.
+        renorm_reads = (read(params.renorm.mean), read(params.renorm.stddev))
+    moments = _engine.global_moments(x4, fmt, weights, plan, before=renorm_reads)
     oshape = _math.layout_broadcast_shape(layout.rank, layout.channels_last, layout.channels)
     scale = tf.ones(oshape, tf.float32)
     offset = tf.zeros(oshape, tf.float32)
     renorm_stats = None
     if options.renorm:
-        r, d, renorm_stats = _renorm_correction(options, params.renorm, moments.mean,
+        r, d, renorm_stats = _renorm_correction(options, renorm_reads, moments.mean,
                                                 moments.variance)
         scale, offset = tf.reshape(r, oshape), tf.reshape(d, oshape)
     if options.adjustment is not None:
@@ -177,12 +182,16 @@ def _ghost(x, x4, fmt, layout, options, gamma, beta, plan):
                                         tf.stop_gradient(first_var), count, None, False))
 
 
-def _renorm_correction(options, renorm_vars, mean, var):
-    """Batch Renormalization's ``r`` and ``d`` (no gradient) from global moments."""
+def _renorm_correction(options, renorm_reads, mean, var):
+    """Batch Renormalization's ``r`` and ``d`` (no gradient) from global moments.
+
+    Args:
+      renorm_reads: the values of ``renorm_mean`` and ``renorm_stddev`` read
+        before the all-reduce.
+    """
     stddev = tf.sqrt(var + options.epsilon)
-    renorm_mean = read(renorm_vars.mean)
-    renorm_stddev = tf.maximum(read(renorm_vars.stddev),
-                               tf.sqrt(tf.constant(options.epsilon, tf.float32)))
+    renorm_mean, renorm_stddev = renorm_reads
+    renorm_stddev = tf.maximum(renorm_stddev, tf.sqrt(tf.constant(options.epsilon, tf.float32)))
     r = stddev / renorm_stddev
     d = (mean - renorm_mean) / renorm_stddev
     clip = options.renorm_clipping
