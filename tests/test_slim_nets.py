@@ -369,6 +369,40 @@ def test_patch_is_restored_on_exit_and_on_error():
         assert slim.batch_norm is original
 
 
+def test_patch_lasts_until_the_last_of_several_threads_leaves():
+    """MirroredStrategy builds its replicas in threads that take turns inside the block.
+
+    Replica 0 may leave its block while replica 1 is still inside its own:
+    the patch must stay until both have left (before, the first exit restored
+    slim.batch_norm under the second, whose later layers were not synchronized).
+    """
+    import threading  # noqa: PLC0415
+    layers_module = sys.modules['tf_slim.layers.layers']
+    original = layers_module.batch_norm
+    entered = [threading.Event(), threading.Event()]
+    release = [threading.Event(), threading.Event()]
+    seen = {}
+
+    def replica(i):
+        with convert.patch_slim_batch_norm():
+            entered[i].set()
+            release[i].wait(10)
+            seen[i] = layers_module.batch_norm
+
+    threads = [threading.Thread(target=replica, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for e in entered:
+        assert e.wait(10)
+    release[0].set()          # replica 0 leaves first
+    threads[0].join(10)
+    assert layers_module.batch_norm is sync_batch_norm     # replica 1 is still inside
+    release[1].set()
+    threads[1].join(10)
+    assert seen == {0: sync_batch_norm, 1: sync_batch_norm}
+    assert layers_module.batch_norm is original and slim.batch_norm is original
+
+
 def test_sync_arg_scope_converts_the_current_scope():
     with slim.arg_scope(vgg.vgg_arg_scope()):
         with sync_arg_scope(add_normalizer_to=[slim.conv2d], decay=0.8) as sc:

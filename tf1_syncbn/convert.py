@@ -49,14 +49,20 @@ Models reach batch norm in three ways, and :func:`sync_arg_scope` covers each:
 What is *not* converted: a reference to ``slim.batch_norm`` that was copied
 into another name before the block (``bn = slim.batch_norm``) or into a module
 that is not listed; ``tf.compat.v1.layers.batch_normalization`` and Keras
-layers. The patch changes module attributes for the whole process while the
-block is open: do not build another model in another thread at the same time.
+layers. The patch changes module attributes for the whole process while a block is
+open. It is reference-counted: blocks opened in several threads at once (the
+replica threads of ``tf.distribute.MirroredStrategy``, which build the
+replicas in turns) keep the patch until the last of them exits, so no replica
+builds ``slim.batch_norm`` because another one left its block first. Another
+model built at the same time in another thread, outside any block, would see
+the patch too.
 """
 
 import contextlib
 import importlib
 import inspect
 import sys
+import threading
 
 from tf_slim.ops import arg_scope as slim_arg_scope
 
@@ -69,6 +75,8 @@ _SLIM_LAYERS_MODULE = 'tf_slim.layers.layers'
 
 
 _ORIGINAL_BATCH_NORM = importlib.import_module(_SLIM_LAYERS_MODULE).batch_norm
+_PATCH_LOCK = threading.Lock()
+_PATCHED = {}      # id(module) -> [module, original batch_norm, open blocks]
 _SYNC_KEY = slim_arg_scope.arg_scope_func_key(sync_batch_norm)
 _SLIM_KEY = slim_arg_scope.arg_scope_func_key(_ORIGINAL_BATCH_NORM)
 
@@ -213,8 +221,9 @@ def patch_slim_batch_norm(modules=()):
     ``tf_slim``, ``tf_slim.layers``, ``tf_slim.layers.layers`` and every other
     loaded ``tf_slim.*`` module where it is slim's batch norm, and in the
     extra ``modules``; restores every attribute it changed on exit (also on
-    an exception). Nested uses are fine. Not thread-safe: the attributes are
-    process-wide.
+    an exception). Nested uses and uses from several threads at once are
+    fine: the patch is reference-counted, and an attribute is restored when
+    the last block that patched it exits.
 
     Args:
       modules: extra module objects (or ``sys.modules`` names) whose
@@ -228,35 +237,49 @@ def patch_slim_batch_norm(modules=()):
       TypeError: when ``modules`` names a module that is not loaded, or that
         has no ``batch_norm`` attribute that is slim's batch norm.
     """
-    targets = []
-    for name, module in list(sys.modules.items()):
-        if module is None or not (name == 'tf_slim' or name.startswith('tf_slim.')):
-            continue
-        if is_slim_batch_norm(getattr(module, 'batch_norm', None)):
-            targets.append(module)
+    with _PATCH_LOCK:
+        targets = _patch_targets(modules)
+        for module in targets:
+            entry = _PATCHED.get(id(module))
+            if entry is None:
+                _PATCHED[id(module)] = [module, module.batch_norm, 1]
+                module.batch_norm = sync_batch_norm
+            else:
+                entry[2] += 1
+    try:
+        yield [(module, 'batch_norm') for module in targets]
+    finally:
+        with _PATCH_LOCK:
+            for module in reversed(targets):
+                entry = _PATCHED[id(module)]
+                entry[2] -= 1
+                if entry[2] == 0:
+                    module.batch_norm = entry[1]
+                    del _PATCHED[id(module)]
+
+
+def _patch_targets(modules):
+    """The modules whose ``batch_norm`` the block patches (already patched ones included)."""
+    def patchable(module):
+        return id(module) in _PATCHED or is_slim_batch_norm(getattr(module, 'batch_norm', None))
+
+    targets = [module for name, module in list(sys.modules.items())
+               if module is not None and (name == 'tf_slim' or name.startswith('tf_slim.'))
+               and patchable(module)]
     for module in modules or ():
         if isinstance(module, str):
             if module not in sys.modules:
                 raise TypeError('patch_slim_batch_norm: module %r is not imported.' % module)
             module = sys.modules[module]
-        current = getattr(module, 'batch_norm', None)
-        if _is_sync_batch_norm(current):
-            continue
-        if not is_slim_batch_norm(current):
+        if _is_sync_batch_norm(getattr(module, 'batch_norm', None)) and \
+                id(module) not in _PATCHED:
+            continue     # the user's own module already names sync_batch_norm
+        if not patchable(module):
             raise TypeError('patch_slim_batch_norm: %r has no batch_norm attribute that is '
                             'slim.batch_norm.' % (module,))
         if module not in targets:
             targets.append(module)
-    patched = []
-    try:
-        for module in targets:
-            original = module.batch_norm
-            module.batch_norm = sync_batch_norm
-            patched.append((module, original))
-        yield [(module, 'batch_norm') for module, _ in patched]
-    finally:
-        for module, original in reversed(patched):
-            module.batch_norm = original
+    return targets
 
 
 @contextlib.contextmanager
