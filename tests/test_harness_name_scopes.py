@@ -15,7 +15,9 @@ The library is plugged in as a user would: ``sync_batch_norm`` as the
 same net on one device with the concatenated batch, whose batch norm is
 ``tf.nn.fused_batch_norm`` plus its moving averages (what slim's fused path
 computes), written here. Compared after several SGD steps: the loss of every
-step, every variable, the moving statistics.
+step, every variable, the moving statistics. On the compiled CPU kernels here,
+and on the stock kernels with oneDNN off in a child run
+(``test_stock_without_onednn.py``).
 """
 
 import warnings
@@ -28,6 +30,7 @@ import tf_slim as slim
 from conftest import make_session
 from tf1_syncbn import SyncBNWarning, sync_arg_scope, sync_batch_norm
 from tower import average_gradients
+from without_onednn import kernel_set, kernel_sets
 
 tf1 = tf.compat.v1
 DECAY = 0.8
@@ -196,11 +199,13 @@ def _assert_kernel_set(graph, kernel_impl):
         assert not kernel_ops, 'the stock kernel set used the compiled kernels'
 
 
+@pytest.mark.parametrize('kernel_impl', kernel_sets())
 @pytest.mark.parametrize('towers', [2, 4])
 @pytest.mark.parametrize('keep', ['first', 'last', 'all'])
 @pytest.mark.parametrize('harness', [model_deploy_clones, classic_towers])
 def test_harness_equals_one_device_on_the_concatenated_batch(towers, keep, harness, kernel_impl):
-    result = _train(harness(towers, keep), towers)
+    with kernel_set(kernel_impl):
+        result = _train(harness(towers, keep), towers)
     _assert_matches_reference(result, _reference(towers))
     graph = result[2]
     collectives = [op for op in graph.get_operations() if op.type == 'CollectiveReduce']
@@ -208,16 +213,19 @@ def test_harness_equals_one_device_on_the_concatenated_batch(towers, keep, harne
     _assert_kernel_set(graph, kernel_impl)
 
 
+@pytest.mark.parametrize('kernel_impl', kernel_sets())
 @pytest.mark.parametrize('towers', [2, 4])
 @pytest.mark.parametrize('harness,keep', [(model_deploy_clones, 'first'),
                                           (classic_towers, 'last')])
 def test_harness_with_channels_first_batch_norm(towers, keep, harness, kernel_impl):
     """The same nets with the layer on NCHW (as GPU nets run it), each harness's own updates."""
-    result = _train(harness(towers, keep, layer=nchw_sync_batch_norm), towers)
+    with kernel_set(kernel_impl):
+        result = _train(harness(towers, keep, layer=nchw_sync_batch_norm), towers)
     _assert_matches_reference(result, _reference(towers))   # (gamma has 8 channels, not 6)
     _assert_kernel_set(result[2], kernel_impl)
 
 
+@pytest.mark.parametrize('kernel_impl', kernel_sets())
 def test_model_deploy_with_sync_arg_scope_around_a_slim_batch_norm_net(kernel_impl):
     """The README's model_deploy recipe: the net names slim.batch_norm; clone_fn wraps it."""
     towers = 2
@@ -240,7 +248,8 @@ def test_model_deploy_with_sync_arg_scope_around_a_slim_batch_norm_net(kernel_im
             train_op = optimizer.apply_gradients(summed)
         return tf.add_n(losses) / towers, train_op
 
-    result = _train(build, towers)
+    with kernel_set(kernel_impl):
+        result = _train(build, towers)
     _assert_matches_reference(result, _reference(towers))
     assert len([op for op in result[2].get_operations() if op.type == 'CollectiveReduce']) == 4
     _assert_kernel_set(result[2], kernel_impl)

@@ -1,13 +1,14 @@
-"""The exactness and harness tests on the stock kernel set with oneDNN off.
+"""The exactness and name-scope harness tests on the stock kernel set with oneDNN off.
 
-Each module below runs its tests on both kernel sets in the test process
-(the ``kernel_impl`` fixture, with TensorFlow's oneDNN rewrites on, as on any
-CPU). GPU towers run the stock set on TensorFlow's plain kernels, whose CPU
-stand-in is ``TF_ENABLE_ONEDNN_OPTS=0 TF1_SYNCBN_KERNELS=0``: read at process
-start, so the modules' stock cases run again in one child pytest
-(``without_onednn``); each module's test names every failing case of it with
-its error. (The parity modules run their own child, which reuses their
-reference results.)
+The exactness, numerics and formats modules run their tests on both kernel
+sets in the test process (the ``kernel_impl`` fixture, with TensorFlow's
+oneDNN rewrites on, as on any CPU); the name-scope harness module on the
+compiled kernels (``without_onednn.kernel_sets``). GPU towers run the stock
+set on TensorFlow's plain kernels, whose CPU stand-in is
+``TF_ENABLE_ONEDNN_OPTS=0 TF1_SYNCBN_KERNELS=0``: read at process start, so
+the modules' stock cases run again in one child pytest (``without_onednn``);
+each module's test names every failing case of it with its error. (The parity
+modules run their own child, which reuses their reference results.)
 """
 
 import importlib
