@@ -130,12 +130,15 @@ def global_moments(x4, fmt, weights, plan, before=()):
                          tf.cast(n64, _math.STAT_DTYPE))
 
 
-def ghost_moments(x4, fmt, per_member, groups, plan, epsilon):
+def ghost_moments(x4, fmt, per_member, groups, plan, epsilon, strided=False):
     """Normalizes each virtual batch of ``x4`` by its own (global) statistics.
 
-    This tower's batch is cut into ``groups`` runs of ``per_member``
-    consecutive examples; virtual batch ``k`` is run ``k`` of every member of
-    the plan's group. All groups' moments travel in one packed all-reduce.
+    This tower's batch is cut into ``groups`` virtual batches of
+    ``per_member`` examples each: runs of consecutive examples (tensorpack's
+    layout), or with ``strided`` every ``groups``-th example (example ``j``
+    is in virtual batch ``j % groups``, tf.layers' layout). Virtual batch
+    ``k`` spans the ``k``-th of every member of the plan's group. All groups'
+    moments travel in one packed all-reduce.
 
     Returns:
       ``(mean, var, xhat4)``: per-virtual-batch mean and biased variance
@@ -143,16 +146,20 @@ def ghost_moments(x4, fmt, per_member, groups, plan, epsilon):
     """
     channels = x4.shape[_math.channel_axis(fmt)]
     dyn = tf.shape(x4)
+    outer = [per_member, groups] if strided else [groups, per_member]
+    batch_axis = 0 if strided else 1         # the axis that runs through one virtual batch
     if fmt == 'NHWC':
         spatial = dyn[1] * dyn[2]
-        xg = tf.reshape(x4, tf.stack([groups, per_member, spatial, channels]))
-        axes, first = [1, 2], xg[:, 0, 0, :]
-        gshape = tf.stack([groups, 1, 1, channels])
+        xg = tf.reshape(x4, tf.stack(outer + [spatial, channels]))
+        axes = [batch_axis, 2]
+        first = xg[0, :, 0, :] if strided else xg[:, 0, 0, :]
+        gshape = tf.stack(([1, groups] if strided else [groups, 1]) + [1, channels])
     else:
         spatial = dyn[2] * dyn[3]
-        xg = tf.reshape(x4, tf.stack([groups, per_member, channels, spatial]))
-        axes, first = [1, 3], xg[:, 0, :, 0]
-        gshape = tf.stack([groups, 1, channels, 1])
+        xg = tf.reshape(x4, tf.stack(outer + [channels, spatial]))
+        axes = [batch_axis, 3]
+        first = xg[0, :, :, 0] if strided else xg[:, 0, :, 0]
+        gshape = tf.stack(([1, groups] if strided else [groups, 1]) + [channels, 1])
     shift = tf.stop_gradient(tf.cast(first, _math.STAT_DTYPE))             # [G, C]
     xs = tf.cast(xg, _math.STAT_DTYPE) - tf.reshape(shift, gshape)
     count = tf.cast(per_member * spatial, _math.STAT_DTYPE)

@@ -145,11 +145,19 @@ def _slow(x, x4, fmt, layout, options, params, gamma, beta, plan, weights):
 def _ghost(x, x4, fmt, layout, options, gamma, beta, plan):
     """Ghost batch norm: each virtual batch is normalized by its own statistics.
 
-    With a group of ``N`` members, virtual batch ``k`` is the ``k``-th run of
-    ``virtual_batch_size / N`` consecutive examples of every member, so it
-    holds ``virtual_batch_size`` examples in all; every member must then have
-    the same local batch size. The moving statistics follow tensorpack: the
-    mean and (biased) variance of the first virtual batch.
+    With a group of ``N`` members, every member contributes ``virtual_batch_size
+    / N`` examples to each virtual batch, so it holds ``virtual_batch_size``
+    examples in all; every member must then have the same local batch size.
+    Two styles (``options.virtual_batch_style``):
+
+    * ``'runs'`` (tensorpack): virtual batch ``k`` is the ``k``-th run of
+      consecutive examples of every member; the moving statistics are the mean
+      and (biased) variance of the first virtual batch;
+    * ``'strided'`` (tf.layers): example ``j`` of a member is in virtual
+      batch ``j % groups``, which over equal members is tf.layers' reshape of
+      the concatenated batch to ``[virtual_batch_size, -1, ...]``; the moving
+      statistics are the means over the virtual batches of their means and
+      (biased) variances.
     """
     members = plan.group_size if plan is not None else 1
     vbs = options.virtual_batch_size
@@ -167,19 +175,24 @@ def _ghost(x, x4, fmt, layout, options, gamma, beta, plan):
     with tf.control_dependencies([check]):
         x4 = tf.identity(x4)
     groups = batch // per_member
+    strided = options.virtual_batch_style == 'strided'
     mean, var, xhat4 = _engine.ghost_moments(x4, fmt, per_member, groups, plan,
-                                             options.epsilon)
+                                             options.epsilon, strided=strided)
     bshape = _math.broadcast_shape(fmt, layout.channels)
     y4 = xhat4 * tf.cast(tf.reshape(gamma, bshape), xhat4.dtype) + \
         tf.cast(tf.reshape(beta, bshape), xhat4.dtype)
     # Every member has the same batch size: an empty local batch is an empty
-    # global one. The first virtual batch, or zeros when there is none.
-    zeros = tf.zeros([1, layout.channels], tf.float32)
-    first_mean = tf.concat([mean, zeros], 0)[0]
-    first_var = tf.concat([var, zeros], 0)[0]
+    # global one (count 0: nothing is updated).
     count = tf.cast(groups, tf.float32)
-    return (_restore(y4, x), BatchStats(tf.stop_gradient(first_mean),
-                                        tf.stop_gradient(first_var), count, None, False))
+    if strided:
+        moving_mean = tf.reduce_sum(mean, 0) / tf.maximum(count, 1.0)
+        moving_var = tf.reduce_sum(var, 0) / tf.maximum(count, 1.0)
+    else:      # the first virtual batch, or zeros when there is none
+        zeros = tf.zeros([1, layout.channels], tf.float32)
+        moving_mean = tf.concat([mean, zeros], 0)[0]
+        moving_var = tf.concat([var, zeros], 0)[0]
+    return (_restore(y4, x), BatchStats(tf.stop_gradient(moving_mean),
+                                        tf.stop_gradient(moving_var), count, None, False))
 
 
 def _renorm_correction(options, renorm_reads, mean, var):

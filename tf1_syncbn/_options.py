@@ -31,7 +31,7 @@ _RENORM_CLIPPING_KEYS = ('rmax', 'rmin', 'dmax')
 _FIELDS = ['layer', 'arg_names', 'data_format', 'axis', 'is_training', 'momentum', 'epsilon',
            'center', 'scale', 'fused', 'renorm', 'renorm_clipping', 'renorm_momentum',
            'adjustment', 'num_dev', 'sync_statistics', 'zero_debias', 'virtual_batch_size',
-           'unbiased_variance', 'float32_decay']
+           'virtual_batch_style', 'unbiased_variance', 'float32_decay']
 
 
 class Options(collections.namedtuple('Options', _FIELDS)):
@@ -47,6 +47,8 @@ class Options(collections.namedtuple('Options', _FIELDS)):
       unbiased_variance: the moving variance tracks the Bessel-corrected batch
         variance (the replaced layer runs its fused kernel), else the biased one.
       float32_decay: the replaced layer computes ``1 - decay`` in float32.
+      virtual_batch_style: ``'runs'`` (tensorpack's ghost batches) or
+        ``'strided'`` (tf.layers'); see :func:`tf1_syncbn._normalize.train`.
       The rest: as the layers' arguments of the same names.
     """
 
@@ -127,7 +129,7 @@ def check_options(layer, arg_names=None, data_format='NHWC', axis=None, is_train
                   momentum=0.99, epsilon=1e-3, center=True, scale=True, fused=None,
                   renorm=False, renorm_clipping=None, renorm_momentum=0.99, adjustment=None,
                   num_dev=None, sync_statistics=None, zero_debias=False,
-                  virtual_batch_size=None):
+                  virtual_batch_size=None, virtual_batch_style='runs'):
     """Checks the options that do not depend on the input; returns :class:`Options`.
 
     Raises:
@@ -136,7 +138,7 @@ def check_options(layer, arg_names=None, data_format='NHWC', axis=None, is_train
     options = Options(layer, tuple(sorted((arg_names or {}).items())), data_format, axis,
                       is_training, momentum, epsilon, center, scale, fused, renorm,
                       renorm_clipping, renorm_momentum, adjustment, num_dev, sync_statistics,
-                      zero_debias, virtual_batch_size, True, False)
+                      zero_debias, virtual_batch_size, virtual_batch_style, True, False)
     if data_format not in _FORMATS:
         raise options.error('unknown data_format %r; use one of %s.'
                             % (data_format, sorted(_FORMATS)))
@@ -160,6 +162,9 @@ def check_options(layer, arg_names=None, data_format='NHWC', axis=None, is_train
         raise options.error('renorm_clipping is given but renorm=False; set renorm=True.')
     if adjustment is not None and not callable(adjustment):
         raise options.error('adjustment must be a callable, got %r.' % (adjustment,), TypeError)
+    if virtual_batch_style not in ('runs', 'strided'):
+        raise options.error("virtual_batch_style must be 'runs' or 'strided', got %r."
+                            % (virtual_batch_style,))
     if virtual_batch_size is not None:
         if isinstance(virtual_batch_size, bool) or not isinstance(virtual_batch_size, int) or \
                 virtual_batch_size < 1:

@@ -39,6 +39,15 @@ def tracked_variance(options, stats):
     return stats.variance * (tf.maximum(count - 1.0, 0.0) / tf.maximum(count, 1.0))
 
 
+def _like(value, variable):
+    """``value`` (``[C]``) in the shape of ``variable`` (``[1, ..., C, ...]`` for tf.layers'
+    ghost batch norm)."""
+    shape = variable.shape
+    if shape.ndims is not None and shape.ndims > 1:
+        return tf.reshape(value, shape)
+    return value
+
+
 def _one_minus(decay, dtype, float32_decay=False):
     if float32_decay and isinstance(decay, numbers.Real):
         decay = tf.constant(decay, tf.float32)
@@ -65,7 +74,7 @@ def _assign_moving_average(variable, value, decay, active, float32_decay=False):
     """
     with tf1.name_scope(None, 'AssignMovingAvg', [variable, value, decay]) as scope:
         one_minus = _one_minus(decay, variable.dtype.base_dtype, float32_decay)
-        delta = (variable - value) * one_minus
+        delta = (variable - _like(value, variable)) * one_minus
         delta = tf.where(active, delta, tf.zeros_like(delta))
         return tf1.assign_sub(variable, delta, name=scope)
 
@@ -85,7 +94,7 @@ def _assign_zero_debiased_average(variable, value, decay, active, debias):
     biased, local_step = debias
     with tf1.name_scope(None, 'AssignMovingAvg', [variable, value, decay]):
         one_minus = _one_minus(decay, variable.dtype.base_dtype)
-        delta = (biased - value) * one_minus
+        delta = (biased - _like(value, biased)) * one_minus
         update_biased = tf1.assign_sub(biased, tf.where(active, delta, tf.zeros_like(delta)))
         update_step = tf1.assign_add(local_step, tf.cast(active, local_step.dtype.base_dtype))
         bias_factor = 1 - tf.pow(1.0 - one_minus, update_step)

@@ -79,8 +79,17 @@ class RenormVariables(collections.namedtuple('RenormVariables',
 
 
 def read(value):
-    """The value a layer computes with: a variable's, or what a getter returned, as a tensor."""
-    return None if value is None else tf.convert_to_tensor(value)
+    """The value a layer computes with, as a ``[C]`` tensor: a variable's, or a getter's.
+
+    Variables of shape ``[1, ..., 1, C]`` (tf.layers' ghost batch norm keeps
+    them so) are read as ``[C]``; the updates assign them in their own shape.
+    """
+    if value is None:
+        return None
+    tensor = tf.convert_to_tensor(value)
+    if tensor.shape.ndims is not None and tensor.shape.ndims > 1:
+        tensor = tf.reshape(tensor, [-1])
+    return tensor
 
 
 def assignable(value):

@@ -72,8 +72,16 @@ class BatchNormalization(object):
         never. It decides which variance the moving variance tracks.
       trainable: whether ``gamma`` and ``beta`` are trainable (and whether the
         moving statistics are updated, as in tf.layers).
-      virtual_batch_size: not supported (tf.layers' ghost batches need
-        variables of another shape); must be None.
+      virtual_batch_size: ghost batch norm as tf.layers does it: with
+        ``training=True`` (a Python bool), example ``j`` of the global batch
+        is in virtual batch ``j % (batch / virtual_batch_size)``, each
+        normalized by its own statistics, and the moving statistics follow
+        the means over the virtual batches of their means and biased
+        variances; the variables have shape ``[1, 1, ..., C]``. Synchronized
+        over ``N`` towers, every tower must have the same batch size, a
+        multiple of ``virtual_batch_size / N``. With a tensor ``training``,
+        tf.layers (TF2 behaviour) normalizes the whole batch at once, and so
+        does this layer. Not with ``renorm``, ``adjustment`` or ``fused=True``.
       adjustment: a function from the input's dynamic shape to ``(scale,
         bias)``, applied to the normalized values in training.
       name: the layer's name and variable scope.
@@ -258,30 +266,38 @@ class BatchNormalization(object):
             x = tf.cast(x, self.dtype)
         rank = getattr(getattr(x, 'shape', None), 'ndims', None)
         axis = channel_axis(layer, self.axis, rank)
-        if self.virtual_batch_size is not None:
-            raise ValueError(
-                '%s: virtual_batch_size=%r is not supported. tf.layers\' ghost batch norm '
-                'normalizes strided virtual batches, averages their statistics into the '
-                'moving ones and keeps its variables in shape [1, 1, ..., C]; this layer '
-                'cannot reproduce it yet. Drop virtual_batch_size, or use '
-                'tf1_syncbn.BatchNorm(virtual_batch_size=...) (tensorpack\'s ghost batches).'
-                % (layer, self.virtual_batch_size))
+        vbs = self.virtual_batch_size
+        if vbs is not None and self._fused_hint is True:
+            raise ValueError('%s: Passing `fused=True` is not supported when '
+                             '`virtual_batch_size` is specified.' % layer)
+        # tf.layers (TF2 behaviour) ghost-batches only when training is a Python
+        # True; with a tensor it reshapes to [-1, 1]: one virtual batch, the whole one.
+        ghost = vbs if training is True else None
         options = check_options(
             layer, arg_names={'is_training': 'training'}, axis=axis, is_training=training,
             momentum=self.momentum, epsilon=self.epsilon, center=self.center,
             scale=self.scale, fused=self._fused_hint, renorm=self.renorm,
             renorm_clipping=self.renorm_clipping, renorm_momentum=self.renorm_momentum,
             adjustment=self.adjustment, num_dev=self.num_dev,
-            sync_statistics=self.sync_statistics)
+            sync_statistics=self.sync_statistics, virtual_batch_size=ghost,
+            virtual_batch_style='strided')
+        if vbs is not None and ghost is None:
+            check_options(layer, virtual_batch_size=vbs)   # still a positive int
         x, layout = check_inputs(options, x)
-        fused = tf_layers_runs_fused_kernel(self._fused_hint, layout.rank, self.renorm, None,
+        fused = tf_layers_runs_fused_kernel(self._fused_hint, layout.rank, self.renorm, vbs,
                                             self.adjustment)
         options = options.with_replaced_path(fused, float32_decay=fused)
         dtype = x.dtype.base_dtype
         if not fused and dtype != tf.float32:
             x = tf.cast(x, tf.float32)     # tf.layers' non-fused path computes in float32
         if not self.built:
-            self._build(layout.channels, options)
+            shape = [layout.channels]
+            if vbs is not None:
+                # tf.layers keeps ghost-batch variables in the input's rank + 1, as
+                # [1, 1, ..., C] (the channel axis shifted by the virtual-batch axis).
+                shape = [1] * (layout.rank + 1)
+                shape[axis + 1] = layout.channels
+            self._build(shape, options)
             self.fused, self.axis = fused, [axis]
             self.built = True
         before = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
@@ -292,13 +308,13 @@ class BatchNormalization(object):
         self._updates.extend(op for op in after[len(before):] if op not in self._updates)
         return tf.cast(outputs, dtype) if outputs.dtype != dtype else outputs
 
-    def _build(self, channels, options):
-        """Creates the variables as tf.layers does (names, order, collections, losses)."""
+    def _build(self, shape, options):
+        """Creates the variables as tf.layers does (names, shapes, order, collections, losses)."""
         existing = {id(v) for v in tf1.global_variables()}
 
         def make(name, initializer, trainable, regularizer=None, constraint=None):
             variable = tf1.get_variable(
-                name, shape=[channels], dtype=tf.float32, initializer=initializer,
+                name, shape=shape, dtype=tf.float32, initializer=initializer,
                 trainable=trainable, constraint=constraint,
                 aggregation=(tf.VariableAggregation.NONE if trainable
                              else STATISTICS_AGGREGATION))

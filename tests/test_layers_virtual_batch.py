@@ -1,0 +1,124 @@
+"""tf.layers' ghost batch norm (``virtual_batch_size``) on N towers equals tf.layers on one device.
+
+tf.layers (tf-keras' legacy layer) reshapes the batch to ``[virtual_batch_size,
+-1, ...]``, so that example ``j`` is in virtual batch ``j % groups``,
+normalizes each virtual batch by its own statistics, moves the moving
+statistics toward the means over the virtual batches of their means and
+biased variances, and keeps its variables in shape ``[1, 1, ..., C]``. Over
+``N`` towers of equal batches the library's strided virtual batches give
+exactly that on the concatenated batch. The reference is tf.layers itself in a
+legacy-Keras subprocess (``parity_harness.train_case``: 3 SGD steps, every
+output, gradient and variable).
+"""
+
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf1_syncbn
+from legacy_reference import run_reference
+from parity_harness import assert_same_numbers, train_case
+from tf1_syncbn import CollectiveBackend
+
+tf1 = tf.compat.v1
+
+MODEL = '''
+def vbs_apply(layer, case, x, weights, training, tower, towers):
+    kwargs = dict(case['kwargs'])
+    if case.get('training_tensor') is None and tower is not None:
+        training = True
+    with tf1.variable_scope('net', reuse=True if tower is None else tf1.AUTO_REUSE):
+        return layer(x, training=training, name='bn', **kwargs)
+'''
+exec(MODEL)  # noqa: S102 - defines vbs_apply here, as in the reference
+
+REFERENCE_SCRIPT = '''
+import json, sys
+import numpy as np
+import tensorflow as tf
+tf1 = tf.compat.v1
+tf1.disable_eager_execution()
+from parity_harness import train_case
+''' + MODEL + '''
+cases = json.loads(open(sys.argv[1]).read())
+arrays = {}
+for index, case in enumerate(cases):
+    apply = lambda *args, case=case: vbs_apply(tf1.layers.batch_normalization, case, *args)
+    case_arrays, _ = train_case(apply, case, index, [case['shape'][0]])
+    arrays.update({'%d/%s' % (index, k): v for k, v in case_arrays.items()})
+np.savez('vbs_reference.npz', **arrays)
+print('RESULT vbs_reference.npz')
+'''
+
+CASES = [
+    dict(name='rank4-NHWC', shape=[8, 3, 2, 3], kwargs={'virtual_batch_size': 4,
+                                                          'momentum': 0.5}),
+    dict(name='rank4-axis1', shape=[8, 3, 2, 2], kwargs={'virtual_batch_size': 2, 'axis': 1,
+                                                           'momentum': 0.7, 'scale': False}),
+    dict(name='rank2', shape=[8, 3], kwargs={'virtual_batch_size': 8, 'momentum': 0.5}),
+    dict(name='rank3-training-tensor', shape=[8, 4, 3], training_tensor=True,
+         kwargs={'virtual_batch_size': 4, 'momentum': 0.5}),
+]
+IDS = [c['name'] for c in CASES]
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('vbs_reference')
+    (tmp / 'cases.json').write_text(json.dumps(CASES))
+    run_reference(REFERENCE_SCRIPT, tmp, args=[str(tmp / 'cases.json')], timeout=300)
+    arrays = np.load(tmp / 'vbs_reference.npz')
+    results = [{} for _ in CASES]
+    for key in arrays.files:
+        index, name = key.split('/', 1)
+        results[int(index)][name] = arrays[key]
+    return results
+
+
+def _layer(towers):
+    backend = CollectiveBackend(timeout=60) if towers > 1 else 'auto'
+
+    def layer(x, **kwargs):
+        return tf1_syncbn.layers.batch_normalization(x, sync_statistics=backend, **kwargs)
+
+    return layer
+
+
+@pytest.mark.parametrize('towers', [1, 2])
+@pytest.mark.parametrize('case', CASES, ids=IDS)
+def test_virtual_batches_equal_tf_layers_on_one_device(reference, case, towers):
+    total = case['shape'][0]
+    ours, _ = train_case(lambda *args: vbs_apply(_layer(towers), case, *args), case,
+                         CASES.index(case), [total // towers] * towers)
+    assert_same_numbers(ours, reference[CASES.index(case)], case, towers)
+    shape = ours['var/0/net/bn/moving_mean'].shape
+    assert len(shape) == len(case['shape']) + 1 and np.prod(shape) == 3    # [1, 1, ..., C]
+
+
+def test_the_strided_layout_matters(reference):
+    """tensorpack's consecutive runs (a different grouping) would not match: the test can fail."""
+    case = CASES[0]
+    import tf1_syncbn._options as options_module
+
+    original = options_module.check_options
+
+    def runs_instead(*args, **kwargs):
+        if kwargs.get('virtual_batch_style') == 'strided':
+            kwargs['virtual_batch_style'] = 'runs'
+        return original(*args, **kwargs)
+
+    from unittest import mock
+    with mock.patch('tf1_syncbn.layers.check_options', runs_instead):
+        ours, _ = train_case(lambda *args: vbs_apply(_layer(1), case, *args), case, 0, [8])
+    with pytest.raises(AssertionError):
+        assert_same_numbers(ours, reference[0], case, 1)
+
+
+def test_fused_true_with_virtual_batches_is_an_error_as_in_tf_layers(graph):
+    x = tf1.placeholder(tf.float32, [8, 3])
+    with pytest.raises(ValueError, match='`fused=True` is not supported when '
+                                         '`virtual_batch_size` is specified'):
+        tf1_syncbn.layers.batch_normalization(x, training=True, virtual_batch_size=4,
+                                              fused=True)
