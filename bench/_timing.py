@@ -7,7 +7,7 @@ import time
 import numpy as np
 
 
-def median_times(runs, steps, warmup, block=5):
+def median_times(runs, steps, warmup, block=5, between_rounds=None):
     """Median wall time (ms) of ``sess.run(fetch)`` for each named run.
 
     The runs take turns in blocks of ``block`` steps, so that drift in the
@@ -19,6 +19,9 @@ def median_times(runs, steps, warmup, block=5):
       steps: timed steps per run (rounded up to whole blocks).
       warmup: untimed steps per run first.
       block: consecutive steps per turn.
+      between_rounds: None, or a callable run after every round of turns that
+        returns ``{name: [seconds, ...]}`` timed elsewhere (another process
+        taking its turn), merged into the result.
     """
     for sess, fetch in runs.values():
         for _ in range(warmup):
@@ -31,6 +34,9 @@ def median_times(runs, steps, warmup, block=5):
                 start = time.perf_counter()
                 sess.run(fetch)
                 times[name].append(time.perf_counter() - start)
+        if between_rounds is not None:
+            for name, values in between_rounds().items():
+                times.setdefault(name, []).extend(values)
     return {name: 1e3 * float(np.median(t)) for name, t in times.items()}
 
 

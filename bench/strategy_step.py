@@ -254,24 +254,6 @@ class KerasChild(object):
                 self.proc.wait()
 
 
-def time_layers(runs, child, steps, warmup, block):
-    """Median ms per variant: this process's runs and the child's, taking turns in blocks."""
-    for sess, fetch in runs.values():
-        for _ in range(warmup):
-            sess.run(fetch)
-    times = {name: [] for name in runs}
-    while min(len(t) for t in times.values()) < steps:
-        for name, (sess, fetch) in runs.items():
-            sess.run(fetch)
-            for _ in range(block):
-                start = time.perf_counter()
-                sess.run(fetch)
-                times[name].append(time.perf_counter() - start)
-        for name, values in child.block().items():
-            times.setdefault(name, []).extend(values)
-    return {name: 1e3 * float(np.median(t)) for name, t in times.items()}
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--replicas', type=int, default=4)
@@ -319,8 +301,8 @@ def main():
     try:
         built = {name: build_layer(name, args.replicas, shape)
                  for name in ('ours_unsync', 'ours_sync')}
-        med = time_layers({name: b[:2] for name, b in built.items()}, child, args.layer_steps,
-                          args.warmup, args.block)
+        med = median_times({name: b[:2] for name, b in built.items()}, args.layer_steps,
+                           args.warmup, args.block, between_rounds=child.block)
     finally:
         child.close()
     print('one layer, forward+backward+moving statistics, %d replicas of %s, median of %d '

@@ -67,23 +67,9 @@ def keras_single(wired):
 
 
 def _towers_on_virtual_cpus():
-    """tensorpack's multi-GPU builders put tower k on '/gpu:k': on '/cpu:k' here (no GPU)."""
-    from tensorpack.graph_builder import training as tp_training
-    original = tp_training.DataParallelBuilder.build_on_towers
-
-    def on_cpu(device):
-        if isinstance(device, str):
-            return device.replace('/gpu:', '/cpu:')
-        device.worker_device = on_cpu(device.worker_device)
-        device.ps_devices = [on_cpu(d) for d in device.ps_devices]
-        return device
-
-    def build_on_towers(towers, func, devices=None, use_vs=None):
-        devices = (['/cpu:%d' % t for t in towers] if devices is None
-                   else [on_cpu(d) for d in devices])
-        return original(towers, func, devices=devices, use_vs=use_vs)
-
-    tp_training.DataParallelBuilder.build_on_towers = staticmethod(build_on_towers)
+    """tensorpack's trainers put tower k on '/gpu:k': on '/cpu:k' here (no GPU)."""
+    from tensorpack_devices import towers_on_virtual_cpus  # noqa: PLC0415
+    towers_on_virtual_cpus()
 
 
 def tensorpack_trainer(trainer_name, ours):

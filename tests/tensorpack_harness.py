@@ -46,7 +46,6 @@ from tensorpack import (BatchData, BatchNorm, Callback, Conv2D, DataFromList, Fu
                         PredictConfig, SimpleTrainer, SmartInit,
                         SyncMultiGPUTrainerParameterServer, SyncMultiGPUTrainerReplicated,
                         TrainConfig, argscope, launch_train_with_config)
-from tensorpack.graph_builder import training as tp_training
 
 import tf1_syncbn
 from tf1_syncbn import kernels as tf1_syncbn_kernels
@@ -72,28 +71,9 @@ CLASSES = 4
 
 
 def _towers_on_virtual_cpus():
-    """The one override: tensorpack's multi-GPU builders hard-code '/gpu:<k>'.
-
-    This machine has no GPU, so ``DataParallelBuilder.build_on_towers`` is
-    wrapped to put tower ``k`` on the virtual CPU ``/cpu:<k>`` instead (its
-    compute device, and the variable devices of the parameter-server device
-    setter). Nothing else of tensorpack is changed.
-    """
-    original = tp_training.DataParallelBuilder.build_on_towers
-
-    def on_cpu(device):
-        if isinstance(device, str):
-            return device.replace('/gpu:', '/cpu:')
-        device.worker_device = on_cpu(device.worker_device)
-        device.ps_devices = [on_cpu(d) for d in device.ps_devices]
-        return device
-
-    def build_on_towers(towers, func, devices=None, use_vs=None):
-        devices = (['/cpu:%d' % t for t in towers] if devices is None
-                   else [on_cpu(d) for d in devices])
-        return original(towers, func, devices=devices, use_vs=use_vs)
-
-    tp_training.DataParallelBuilder.build_on_towers = staticmethod(build_on_towers)
+    """tensorpack's trainers put tower k on '/gpu:k': on '/cpu:k' here (no GPU)."""
+    from tensorpack_devices import towers_on_virtual_cpus  # noqa: PLC0415
+    towers_on_virtual_cpus()
 
 
 _towers_on_virtual_cpus()
