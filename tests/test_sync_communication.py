@@ -318,3 +318,28 @@ def test_gpu_towers_on_existing_gpus_build(graph, fake_gpus):
                                                 sync_statistics='collective'),
                         ['/gpu:1', '/gpu:0'])
     assert len(_collectives(graph)) == 2
+
+
+def test_nccl_gets_the_run_time_check_but_no_deadline_as_documented(graph, fake_gpus):
+    """The documented limit: NcclAllReduce cannot be aborted, so no watchdog is armed for it.
+
+    The run-time check (towers never built) still guards it; the README's
+    "When synchronization hangs" says that a tower skipping an NCCL layer at
+    run time waits forever, and how to get a timeout on GPUs instead.
+    """
+    from tf1_syncbn import NcclBackend
+    assert NcclBackend().step_timeout() == 0
+    call_for_each_tower(lambda: sync_batch_norm(tf1.placeholder(tf.float32, [None, 3]),
+                                                sync_statistics='nccl'),
+                        ['/gpu:0', '/gpu:1'])
+    types = [op.type for op in graph.get_operations()]
+    assert types.count('NcclAllReduce') == 2
+    assert 'SyncBnStepWatchdog' not in types
+    assert types.count('PyFunc') == 1            # tf1_syncbn_check_towers
+    nccl = [op for op in graph.get_operations() if op.type == 'NcclAllReduce']
+    check = graph.get_operation_by_name('tf1_syncbn_check_towers')
+    assert all(check in op.control_inputs for op in nccl)
+    import os  # noqa: PLC0415
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                               'README.md')).read()
+    assert '**NCCL has no timeout**' in readme
