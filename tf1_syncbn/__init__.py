@@ -2,8 +2,17 @@
 
 * :func:`sync_batch_norm`: ``slim.batch_norm`` with global-batch statistics.
 * :func:`BatchNorm`, :func:`BatchRenorm`: tensorpack's layers, on the same engine.
+* :mod:`tf1_syncbn.layers`: ``batch_normalization`` / ``BatchNormalization``,
+  tf.layers' API, on the same engine.
 * :func:`start_finetuning`: restart the exact population statistics.
-* :func:`patch_tensorpack`: make tensorpack code build this library's layers.
+* :func:`patch_tensorpack`, :func:`patch_tf_layers`, :func:`sync_arg_scope`:
+  make existing tensorpack, tf.layers and tf-slim code build this library's
+  layers.
+* :func:`audit_graph`: whether every batch norm of a graph is synchronized and
+  its moving averages update (also ``python -m tf1_syncbn.audit``).
+* The layers find their towers in :class:`tower.TowerContext`, tensorpack's
+  trainers, ``tower_<i>`` / ``clone_<i>`` name scopes (with ``num_dev``) and
+  ``tf.distribute`` strategies (``strategy.run`` in a TF1 graph).
 * :class:`SyncBNWarning`: warned when a layer that could synchronize does not.
 * Backends: :class:`CollectiveBackend`, :class:`NcclBackend`,
   :class:`HorovodBackend` (or the strings ``'collective'``, ``'nccl'``,
