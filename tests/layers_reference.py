@@ -6,12 +6,18 @@ tf-keras' legacy layer, computes everything the ``test_layers*`` modules
 compare with: every parity case of ``layers_cases`` on one device, the
 scenarios' records, the tf.distribute model of ``strategy_case`` on one
 device (and a checkpoint written by tf.layers code, with the training that
-continues from it), and ``tf_layers_script.py`` on one tower. It never
-imports ``tf1_syncbn``. :func:`reference` caches the results for the process,
-so that several test modules share one run.
+continues from it), and ``tf_layers_script.py`` on one tower. It also runs,
+for ``test_custom_getter.py``, tf-slim's, tf.layers' and tensorpack's own
+batch norm under the custom getter of ``getter_case`` (one run for every
+reference that needs legacy Keras). It never imports ``tf1_syncbn``.
+:func:`reference` caches the results for the process, so that several test
+modules share one run; a child pytest (``without_onednn``) finds its
+parent's run through :data:`REFERENCE_DIR_VARIABLE`.
 """
 
 import json
+import os
+import pathlib
 
 import numpy as np
 
@@ -32,6 +38,7 @@ tf1 = tf.compat.v1
 tf1.disable_eager_execution()
 from parity_harness import train_case
 from layers_cases import PARITY_CASES, SCENARIOS, parity_apply, run_scenario
+import getter_case
 import strategy_case
 
 layers = tf1.layers
@@ -68,13 +75,33 @@ keep('restored', strategy_case.train(layer, [8], checkpoint_in=checkpoint))
 sys.argv = ['tf_layers_script.py', '1', os.path.abspath('script.npz')]
 runpy.run_path(os.path.join(os.path.dirname(strategy_case.__file__), 'tf_layers_script.py'),
                run_name='__main__')
+getter_arrays, getter_errors = getter_case.run_legacy_cases()
+for key, values in getter_arrays.items():
+    keep(key, values)
 np.savez(out + '.npz', **arrays)
 with open(out + '.json', 'w') as f:
-    json.dump({'infos': infos, 'scenarios': scenarios, 'checkpoint': checkpoint}, f)
+    json.dump({'infos': infos, 'scenarios': scenarios, 'checkpoint': checkpoint,
+               'getter_errors': getter_errors}, f)
 print('RESULT ' + out)
 '''
 
 _CACHE = {}
+
+#: Where a child pytest (``without_onednn``) finds its parent's reference run.
+REFERENCE_DIR_VARIABLE = 'TF1_SYNCBN_TEST_LAYERS_REFERENCE'
+
+
+def reference_dir(tmp_path_factory):
+    """Runs the reference (once per process, not in a child of a run that did); its directory."""
+    if 'dir' not in _CACHE:
+        if os.environ.get(REFERENCE_DIR_VARIABLE):
+            _CACHE['dir'] = pathlib.Path(os.environ[REFERENCE_DIR_VARIABLE])
+        else:
+            tmp = tmp_path_factory.mktemp('tf_layers_reference')
+            run_reference(SCRIPT, tmp, args=[str(tmp / 'reference'),
+                                             json.dumps(STRATEGY_LAYERS)], timeout=600)
+            _CACHE['dir'] = tmp
+    return _CACHE['dir']
 
 
 def reference(tmp_path_factory):
@@ -84,13 +111,12 @@ def reference(tmp_path_factory):
       A dict: ``parity`` (per case of ``PARITY_CASES``: ``(arrays, info)``),
       ``scenarios`` (name -> record), ``strategy`` (name -> arrays),
       ``restored`` (arrays), ``checkpoint`` (its path), ``script`` (arrays of
-      ``tf_layers_script.py`` on one tower) and ``script_api`` (its record).
+      ``tf_layers_script.py`` on one tower), ``script_api`` (its record),
+      ``getter`` (``getter_case.legacy_key`` -> arrays) and ``getter_errors``
+      (``getter_case.legacy_key`` -> the error of a case that failed).
     """
     if 'results' not in _CACHE:
-        tmp = tmp_path_factory.mktemp('tf_layers_reference')
-        run_reference(SCRIPT, tmp, args=[str(tmp / 'reference'), json.dumps(STRATEGY_LAYERS)],
-                      timeout=600)
-        _CACHE['results'] = _load(tmp)
+        _CACHE['results'] = _load(reference_dir(tmp_path_factory))
     return _CACHE['results']
 
 
@@ -99,10 +125,13 @@ def _load(tmp):
     meta = json.loads((tmp / 'reference.json').read_text())
     results = {'parity': [({}, info) for info in meta['infos']], 'strategy': {},
                'restored': {}, 'scenarios': meta['scenarios'],
-               'checkpoint': meta['checkpoint']}
+               'checkpoint': meta['checkpoint'], 'getter': {},
+               'getter_errors': meta['getter_errors']}
     for key in loaded.files:
         prefix, name = key.split('|', 1)
-        if prefix.startswith('parity/'):
+        if prefix.startswith('getter:'):
+            results['getter'].setdefault(prefix, {})[name] = loaded[key]
+        elif prefix.startswith('parity/'):
             results['parity'][int(prefix.split('/')[1])][0][name] = loaded[key]
         elif prefix.startswith('strategy/'):
             results['strategy'].setdefault(prefix.split('/')[1], {})[name] = loaded[key]
