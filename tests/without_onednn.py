@@ -101,7 +101,7 @@ def count_kernel_cases(module):
             continue
         count = 1
         for mark in marks(function):
-            if mark.name == 'parametrize':
+            if mark.name == 'parametrize' and mark.args[0] != 'kernel_impl':
                 count *= len(mark.args[1])
         total += count
     return total
@@ -168,16 +168,26 @@ def run_stock_cases_without_onednn(module, tmp_path, expected, extra_env=None, t
     return ChildRun([module], tmp_path, extra_env, timeout, keyword).check(module, expected)
 
 
+#: Set to 1 to run the parity and harness modules' multi-tower cases on the
+#: stock kernels with oneDNN on too, in the test process.
+ALSO_STOCK_WITH_ONEDNN = 'TF1_SYNCBN_TEST_STOCK_WITH_ONEDNN'
+
+
 def kernel_sets():
-    """The kernel sets a parity module's multi-tower tests run on in this process.
+    """The kernel sets a parity or harness module's multi-tower tests run on in this process.
 
     ``['custom']`` in the test process (the compiled kernels, oneDNN on),
     ``['stock']`` in the child run (TensorFlow's kernels, oneDNN off: what GPU
-    towers run). A parity case costs about 4x as much on the stock set, so
-    these modules do not also run it with oneDNN on; the exactness, numerics,
-    formats and harness modules do (``kernel_impl``).
+    towers run). A case costs about 4x as much on the stock set, so these
+    modules do not also run it with oneDNN on unless
+    ``$TF1_SYNCBN_TEST_STOCK_WITH_ONEDNN=1`` (about +70 s); the exactness,
+    numerics and formats modules always do (``kernel_impl``).
     """
-    return ['stock'] if in_child() else ['custom']
+    if in_child():
+        return ['stock']
+    if os.environ.get(ALSO_STOCK_WITH_ONEDNN) == '1':
+        return ['custom', 'stock']
+    return ['custom']
 
 
 @contextlib.contextmanager
