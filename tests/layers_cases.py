@@ -85,9 +85,12 @@ PARITY_CASES = [
     _case('renorm-clipped-rank4-axis1', 4, True, kwargs={
         'renorm': True, 'renorm_momentum': 0.7,
         'renorm_clipping': {'rmax': 1.5, 'rmin': 0.8, 'dmax': 0.3}}),
-    # (renorm with a bool tensor `training` on several towers is left out: the
-    # core lets a tower read renorm_mean/renorm_stddev after the main tower
-    # updated them in the same step, nondeterministically; reported.)
+    # renorm with a bool tensor `training` (every tower must read
+    # renorm_mean/renorm_stddev before the main tower updates them in the same
+    # step: a race some steps lost, before commit b8e7487).
+    _case('renorm-training_tensor-rank4-axis1', 4, True, training_tensor=True, kwargs={
+        'renorm': True, 'renorm_momentum': 0.7,
+        'renorm_clipping': {'rmax': 1.5, 'rmin': 0.8, 'dmax': 0.3}}),
     _case('renorm-unclipped-rank5-axis1', 5, True, kwargs={'renorm': True}),
     _case('adjustment-rank4-axis1', 4, True, adjustment=True),
     _case('renorm-adjustment-rank2', 2, adjustment=True,

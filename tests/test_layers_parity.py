@@ -12,11 +12,16 @@ fused kernel (rank 4 and 5), the biased one elsewhere (rank 2 and 3,
 
 The cases port tf-keras' own tests of the legacy layer (see
 ``layers_cases.py``); the reference is tf.layers itself, run once for all of
-them in a subprocess (``layers_reference.py``). The structural tests
+them in a subprocess (``layers_reference.py``). The multi-tower cases run on
+the compiled CPU kernels in the test process, and (those of
+:data:`STOCK_CASES`) on TensorFlow's stock kernels with oneDNN off (what GPU
+towers run) in a child pytest that reuses the reference's results
+(``without_onednn``). The structural tests
 (``testCreateBN``, ``testFunctionalReuse``, ``testRegularizers``, ...) are
 scenarios that both sides build and record.
 """
 
+import contextlib
 import functools
 
 import numpy as np
@@ -24,12 +29,29 @@ import pytest
 import tensorflow as tf
 
 from layers_cases import PARITY_CASES, SCENARIOS, parity_apply, run_scenario
+from layers_reference import REFERENCE_DIR_VARIABLE, reference_dir
 from layers_reference import reference as run_layers_reference
 from parity_harness import DEFAULT_SIZES, assert_same_numbers, case_data, train_case
+from without_onednn import in_child, kernel_set, kernel_sets, run_stock_cases_without_onednn
 from tf1_syncbn import CollectiveBackend, layers
 
 tf1 = tf.compat.v1
 NAMES = [c['name'] for c in PARITY_CASES]
+# The multi-tower cases that also run on the stock kernels with oneDNN off (the
+# child run of test_stock_kernels_without_onednn): one per path of the core
+# that tf.layers' rules choose (moments on rank 2, the fused kernel on an NCHW
+# rank 4, rank 5 with axis 1, a bool-tensor `training` fused and not, renorm
+# with a bool and with a tensor, adjustment), the 16-bit types and the large
+# mean. The others vary axis spellings, options that only touch variables and
+# update plumbing (initializers, constraints, partitions, momentum, trainable,
+# the object API), or repeat a layout of these; the slim and tensorpack parity
+# modules run the same core's stock kernels over every rank and layout. (All
+# 31 cost about 40 s more.)
+STOCK_CASES = [PARITY_CASES[NAMES.index(name)] for name in (
+    'rank2', 'rank4-axis[1]-fused=True', 'bfloat16-rank5-axis1', 'training_tensor-rank4',
+    'training_tensor-rank3-axis1', 'renorm-clipped-rank4-axis1',
+    'renorm-training_tensor-rank4-axis1', 'adjustment-rank4-axis1', 'float16-rank4',
+    'mean1e4-rank4')]
 
 
 @pytest.fixture(scope='module')
@@ -44,12 +66,16 @@ def _reference(reference, case):
     return ref, info
 
 
-def _ours(case, sizes):
+def _ours(case, sizes, kernel_impl=None):
     extra = {}
     if len(sizes) > 1:
         extra['sync_statistics'] = CollectiveBackend(timeout=60)
     apply = functools.partial(_apply, case, extra)
-    return train_case(apply, case, PARITY_CASES.index(case), sizes)
+    with kernel_set(kernel_impl) if kernel_impl else contextlib.nullcontext():
+        ours, info = train_case(apply, case, PARITY_CASES.index(case), sizes)
+    if kernel_impl == 'stock':   # (the compiled set's slow paths use stock ops too)
+        assert info['kernel_ops'] == 0, 'the stock kernel set used the compiled kernels'
+    return ours, info
 
 
 def _apply(case, extra, x, weights, training, tower, towers):
@@ -74,13 +100,26 @@ def test_one_tower_is_tf_layers(reference, case):
     assert not missing, 'tf.layers has fused ops %s, we do not' % sorted(missing)
 
 
-@pytest.mark.parametrize('case', PARITY_CASES, ids=NAMES)
-def test_towers_are_tf_layers_on_the_concatenated_batch(reference, case):
+@pytest.mark.parametrize('kernel_impl', kernel_sets())
+@pytest.mark.parametrize('case', STOCK_CASES if in_child() else PARITY_CASES,
+                         ids=lambda case: case['name'])
+def test_towers_are_tf_layers_on_the_concatenated_batch(reference, case, kernel_impl):
+    """The compiled kernels here, the stock ones with oneDNN off in a child run."""
     ref, ref_info = _reference(reference, case)
-    ours, info = _ours(case, DEFAULT_SIZES)
+    ours, info = _ours(case, DEFAULT_SIZES, kernel_impl)
     assert_same_numbers(ours, ref, case, len(DEFAULT_SIZES))
     assert info['global_variables'] == ref_info['global_variables']
     assert info['trainable_variables'] == ref_info['trainable_variables']
+
+
+def test_stock_kernels_without_onednn(tmp_path_factory, tmp_path):
+    """The multi-tower cases on the stock kernels with oneDNN off (GPU towers' kernel set).
+
+    In a child pytest (``without_onednn``), with tf.layers' results of this run.
+    """
+    run_stock_cases_without_onednn(
+        __file__, tmp_path, expected=len(STOCK_CASES),
+        extra_env={REFERENCE_DIR_VARIABLE: str(reference_dir(tmp_path_factory))})
 
 
 def test_the_variance_convention_is_exercised(reference):
