@@ -120,7 +120,9 @@ def global_moments(x4, fmt, weights, plan, before=()):
     """
     channels = x4.shape[_math.channel_axis(fmt)]
     shift = _math.batch_shift(x4, fmt)
-    xs4 = x4 - tf.reshape(tf.cast(shift, x4.dtype), _math.broadcast_shape(fmt, channels))
+    # Shift in float32: x - shift would round in float16/bfloat16.
+    x32 = x4 if x4.dtype == _math.STAT_DTYPE else tf.cast(x4, _math.STAT_DTYPE)
+    xs4 = x32 - tf.reshape(shift, _math.broadcast_shape(fmt, channels))
     count, mean_s, m2 = _math.weighted_local_moments(xs4, fmt, weights)
     with tf.control_dependencies(before):
         packed = _math.pack_moments(count, shift, mean_s, m2)
