@@ -19,6 +19,7 @@ reference: the seed question's own layer, one device, ``tf.nn.fused_batch_norm``
 """
 
 import collections
+import contextlib
 
 import numpy as np
 import tensorflow as tf
@@ -177,7 +178,7 @@ def train(apply, mode, sizes, front_end, which='all', getter=True, steps=STEPS,
         def tower():
             xs.append(tf1.placeholder(tf.float32, [None] + SHAPE[1:], 'x'))
             dys.append(tf1.placeholder(tf.float32, [None] + SHAPE[1:], 'dy'))
-            with context('') if context else _nothing():
+            with context('') if context else contextlib.nullcontext():
                 y, ops = layer(xs[-1], training)
             record.layer_ops.append(ops)
             return y
@@ -219,14 +220,6 @@ def train(apply, mode, sizes, front_end, which='all', getter=True, steps=STEPS,
                     arrays['var/%d/%s' % (step, v.op.name)] = value
             arrays['eval'] = sess.run(y_eval, {x_eval_in: x_eval, quant: True})
     return arrays, record, graph
-
-
-class _nothing(object):
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def seed_layer(front_end):
