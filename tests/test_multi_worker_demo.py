@@ -71,10 +71,10 @@ def _two_by_two_order(tower_grads, sparse_as_dense):
 @pytest.fixture(scope='module')
 def one_worker_in_two_by_two_order(tmp_path_factory):
     """1 worker x 4 towers whose gradients are summed as 2 x 2 sums them."""
-    from tf1_syncbn import distributed
+    from tf1_syncbn.distributed import collectives
     out = str(tmp_path_factory.mktemp('one_worker_2x2_order'))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(distributed, '_average_local', _two_by_two_order)
+        patch.setattr(collectives, '_average_local', _two_by_two_order)
         assert demo.main(COMMON + ['--towers', '4', '--out-dir', out]) == 0
     return metrics(out)
 
