@@ -214,3 +214,23 @@ def test_a_getter_that_returns_no_variable_is_a_type_error(front_end, mode):
             with pytest.raises(TypeError, match='computed from no variable of this graph, so '
                                                 'its moving average cannot be updated'):
                 ours(front_end, 1)(x, training, None)
+
+
+@pytest.mark.parametrize('front_end', ['slim', 'tensorpack'])
+def test_model_variables_are_the_variables_under_the_getter(front_end):
+    """``MODEL_VARIABLES`` holds variables, not the getter's tensors: a Saver over them works.
+
+    (tf.layers adds nothing to ``MODEL_VARIABLES``, nor does its front-end.)
+    """
+    def getter(getter, name, *args, **kwargs):
+        return tf.identity(getter(name, *args, **kwargs))
+
+    with tf.Graph().as_default():
+        x = tf1.placeholder(tf.float32, [None] + getter_case.SHAPE[1:])
+        with tf1.variable_scope('net', custom_getter=getter):
+            ours(front_end, 1)(x, True, None)
+        model_variables = tf1.model_variables()
+        names = sorted(v.op.name for v in model_variables)
+        assert any('moving_mean' in n or 'mean/EMA' in n for n in names), names
+        assert all(isinstance(v, tf.Variable) for v in model_variables), model_variables
+        tf1.train.Saver(model_variables)

@@ -10,7 +10,7 @@ from tf1_syncbn._core import batch_norm
 from tf1_syncbn._options import (check_graph_mode, check_inputs, check_options,
                                  replaced_layer_is_fused)
 from tf1_syncbn._variables import (FINETUNE_COUNTERS, STATISTICS_AGGREGATION, Params,
-                                   RenormVariables)
+                                   RenormVariables, assignable)
 from tf1_syncbn.tensorpack_compat import tensorpack_layer
 from tower import get_current_tower_context
 
@@ -115,9 +115,14 @@ def _check_format_and_training(layer, data_format, training):
 
 
 def _add_model_variables(ctx, variables):
-    """Moving statistics are model variables of the main training tower (as tensorpack)."""
+    """Moving statistics are model variables of the main training tower (as tensorpack).
+
+    The collection holds the variables themselves, also where a
+    ``custom_getter`` returned a tensor computed from them (so that
+    ``Saver(tf.model_variables())`` and tensorpack's checkpoint code work).
+    """
     if ctx is None or ctx.is_main_training_tower:
-        for v in variables:
+        for v in map(assignable, variables):
             if v not in tf1.get_collection(tf1.GraphKeys.MODEL_VARIABLES):
                 tf1.add_to_collection(tf1.GraphKeys.MODEL_VARIABLES, v)
 
