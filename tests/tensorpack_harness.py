@@ -186,17 +186,20 @@ class RecordLosses(Callback):
 
 
 def _session_config(towers):
-    """N virtual CPUs, and more inter-op threads than towers.
+    """N virtual CPUs, and a pool of more inter-op threads than towers, per session.
 
     tensorpack's ``StagingInput`` (used by its multi-GPU trainers) puts each
     tower's next batch into a staging area of capacity 1; a put blocks its
-    inter-op thread until the tower's get has run. With the default pool (one
-    thread per core: 2 on small CI machines) two blocked puts stall every
-    other op, including the gets: a deadlock of tensorpack on machines with
-    fewer cores than towers, unrelated to batch norm.
+    inter-op thread until the tower's get has run. With too few threads, the
+    blocked puts stall every other op, including the gets: a deadlock of
+    tensorpack on CPU towers, unrelated to batch norm, that happens when the
+    puts are scheduled before the gets. The pool must be the session's own:
+    TensorFlow's process-wide pool is sized by the *first* session of the
+    process (here a one-tower run), whatever later sessions ask for.
     """
     return virtual_cpu_config(towers, allow_soft_placement=True,
-                              inter_op_parallelism_threads=2 * towers + 2)
+                              inter_op_parallelism_threads=2 * towers + 2,
+                              use_per_session_threads=True)
 
 
 def train(name, model, trainer, towers):

@@ -13,7 +13,7 @@ from legacy_reference import run_reference
 from tf1_syncbn import (BatchNorm, BatchRenorm, CollectiveBackend, start_finetuning,
                         sync_batch_norm)
 from tf1_syncbn import tensorpack_layer
-from tower import TowerContext, call_for_each_tower
+from tower import TowerContext
 
 tf1 = tf.compat.v1
 EPS = 1e-5
