@@ -246,20 +246,32 @@ def argscope_channels_first():
                 'use_scope': tf1_syncbn.BatchNorm.use_scope}
 
 
+def keep_run(results, info, name, build):
+    """Runs ``build()`` (one training run); a failing run records its error (its test names it)."""
+    try:
+        sink, variables = build()
+    except Exception as e:  # noqa: BLE001 - reported by that run's test
+        info[name] = {'error': '%s:\n%s' % (type(e).__name__, error_summary(str(e)))}
+        return
+    results['losses/' + name] = np.array(sink['losses'])
+    for k, v in variables.items():
+        results['var/%s/%s' % (name, k)] = v
+    info[name] = {k: v for k, v in sink.items() if k != 'losses'}
+
+
+def save(results, info):
+    """Writes ``OUT/result.npz`` and ``OUT/result.json``, and the ``RESULT`` line."""
+    np.savez(os.path.join(OUT, 'result.npz'), **results)
+    with open(os.path.join(OUT, 'result.json'), 'w') as f:
+        json.dump(info, f)
+    print('RESULT', os.path.join(OUT, 'result.npz'))
+
+
 def main():
     results, info = {}, {'argscope': argscope_channels_first()}
 
     def keep(name, build):
-        """Runs one training run; a failing run records its error (the tests name it)."""
-        try:
-            sink, variables = build()
-        except Exception as e:  # noqa: BLE001 - reported by that run's test
-            info[name] = {'error': '%s:\n%s' % (type(e).__name__, error_summary(str(e)))}
-            return
-        results['losses/' + name] = np.array(sink['losses'])
-        for k, v in variables.items():
-            results['var/%s/%s' % (name, k)] = v
-        info[name] = {k: v for k, v in sink.items() if k != 'losses'}
+        keep_run(results, info, name, build)
 
     info['kernels'] = tf1_syncbn_kernels.status()
     for fmt in DATA_FORMATS:
@@ -288,10 +300,7 @@ def main():
     if checkpoint:
         for k, v in predict(checkpoint).items():
             results['predict/' + k] = v
-    np.savez(os.path.join(OUT, 'result.npz'), **results)
-    with open(os.path.join(OUT, 'result.json'), 'w') as f:
-        json.dump(info, f)
-    print('RESULT', os.path.join(OUT, 'result.npz'))
+    save(results, info)
 
 
 if __name__ == '__main__':

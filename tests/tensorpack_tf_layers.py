@@ -29,11 +29,8 @@ variables, keyed ``losses/<run>`` and ``var/<run>/<name>``) and
 counted, or the error).
 """
 
-import json
-import os
 import sys
 
-import numpy as np
 import tensorflow as tf
 
 OUT = sys.argv[1]
@@ -45,7 +42,6 @@ from tensorpack import (SimpleTrainer, SyncMultiGPUTrainerParameterServer,  # no
 from tensorpack.tfutils.tower import get_current_tower_context  # noqa: E402
 
 import tf1_syncbn  # noqa: E402
-from without_onednn import error_summary  # noqa: E402
 
 tf1 = tf.compat.v1
 
@@ -61,15 +57,8 @@ def main():
     results, info = {}, {}
 
     def keep(name, trainer, towers):
-        try:
-            sink, variables = harness.train(name, harness.Model(tf_layers_bn), trainer, towers)
-        except Exception as e:  # noqa: BLE001 - reported by that run's test
-            info[name] = {'error': '%s:\n%s' % (type(e).__name__, error_summary(str(e)))}
-            return
-        results['losses/' + name] = np.array(sink['losses'])
-        for k, v in variables.items():
-            results['var/%s/%s' % (name, k)] = v
-        info[name] = {k: v for k, v in sink.items() if k != 'losses'}
+        harness.keep_run(results, info, name, lambda: harness.train(
+            name, harness.Model(tf_layers_bn), trainer, towers))
 
     assert tf1.layers.batch_normalization.__module__.startswith('tf_keras')
     keep('reference', SimpleTrainer(), 1)
@@ -80,10 +69,7 @@ def main():
     with tf1_syncbn.patch_tf_layers(sync_statistics=None):
         n = harness.CONFIG['towers'][0]
         keep('per-tower%d' % n, SyncMultiGPUTrainerParameterServer(n), n)
-    np.savez(os.path.join(OUT, 'result.npz'), **results)
-    with open(os.path.join(OUT, 'result.json'), 'w') as f:
-        json.dump(info, f)
-    print('RESULT', os.path.join(OUT, 'result.npz'))
+    harness.save(results, info)
 
 
 if __name__ == '__main__':
