@@ -28,15 +28,13 @@ kernels, and on the stock kernels with oneDNN off in a child run
 """
 
 import contextlib
-import json
-import os
-import pathlib
+import functools
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from legacy_reference import run_reference
+import reference_cases
 from parity_harness import DEFAULT_SIZES, STEPS, assert_same_numbers, case_data, train_case
 from tf1_syncbn import CollectiveBackend, sync_batch_norm
 from without_onednn import kernel_set, kernel_sets, run_stock_cases_without_onednn
@@ -67,23 +65,12 @@ def renorm_apply(layer, case, x, weights, training, tower, towers, reference=Fal
 '''
 exec(MODEL)  # noqa: S102 - defines renorm_apply here, as in the reference
 
-REFERENCE_SCRIPT = '''
-import json, sys
-import numpy as np
-import tensorflow as tf
+REFERENCE_APPLY = '''
 import tf_slim as slim
-tf1 = tf.compat.v1
-tf1.disable_eager_execution()
-from parity_harness import train_case
-''' + MODEL + '''
-cases = json.loads(open(sys.argv[1]).read())
-arrays = {}
-for index, case in enumerate(cases):
-    apply = lambda *args, case=case: renorm_apply(slim.batch_norm, case, *args, reference=True)
-    case_arrays, _ = train_case(apply, case, index, [case['shape'][0]])
-    arrays.update({'%d/%s' % (index, k): v for k, v in case_arrays.items()})
-np.savez('renorm_reference.npz', **arrays)
-print('RESULT renorm_reference.npz')
+
+
+def reference_apply(case, *args):
+    return renorm_apply(slim.batch_norm, case, *args, reference=True)
 '''
 
 RENORM = {'renorm': True, 'renorm_decay': 0.7,
@@ -111,23 +98,13 @@ REFERENCE_DIR_VARIABLE = 'TF1_SYNCBN_TEST_RENORM_REFERENCE'
 @pytest.fixture(scope='module')
 def reference_dir(tmp_path_factory):
     """slim's plain renorm on every case's equivalent problem, in one subprocess."""
-    if os.environ.get(REFERENCE_DIR_VARIABLE):
-        return pathlib.Path(os.environ[REFERENCE_DIR_VARIABLE])
-    tmp = tmp_path_factory.mktemp('renorm_reference')
-    (tmp / 'cases.json').write_text(json.dumps(CASES))
-    run_reference(REFERENCE_SCRIPT, tmp, args=[str(tmp / 'cases.json')], timeout=600)
-    return tmp
+    return reference_cases.reference_dir(tmp_path_factory, 'renorm_reference', CASES, MODEL,
+                                         REFERENCE_APPLY, REFERENCE_DIR_VARIABLE)
 
 
 @pytest.fixture(scope='module')
 def slim_arrays(reference_dir):
-    assert json.loads((reference_dir / 'cases.json').read_text()) == json.loads(json.dumps(CASES))
-    arrays = np.load(reference_dir / 'renorm_reference.npz')
-    results = [{} for _ in CASES]
-    for key in arrays.files:
-        index, name = key.split('/', 1)
-        results[int(index)][name] = arrays[key]
-    return results
+    return reference_cases.load_arrays(reference_dir, CASES, 'tf-slim')
 
 
 def _expected(case, slim_result, ours):
@@ -160,8 +137,7 @@ def _expected(case, slim_result, ours):
 def _ours(case, sizes, kernel_impl=None):
     layer = sync_batch_norm
     if len(sizes) > 1:
-        def layer(x, **kwargs):
-            return sync_batch_norm(x, sync_statistics=CollectiveBackend(timeout=60), **kwargs)
+        layer = functools.partial(sync_batch_norm, sync_statistics=CollectiveBackend(timeout=60))
     with kernel_set(kernel_impl) if kernel_impl else contextlib.nullcontext():
         ours, info = train_case(lambda *args: renorm_apply(layer, case, *args), case,
                                 CASES.index(case), sizes)

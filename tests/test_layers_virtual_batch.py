@@ -11,14 +11,13 @@ legacy-Keras subprocess (``parity_harness.train_case``: 3 SGD steps, every
 output, gradient and variable).
 """
 
-import json
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf1_syncbn
-from legacy_reference import run_reference
+import reference_cases
 from parity_harness import assert_same_numbers, train_case
 from tf1_syncbn import CollectiveBackend
 
@@ -34,22 +33,9 @@ def vbs_apply(layer, case, x, weights, training, tower, towers):
 '''
 exec(MODEL)  # noqa: S102 - defines vbs_apply here, as in the reference
 
-REFERENCE_SCRIPT = '''
-import json, sys
-import numpy as np
-import tensorflow as tf
-tf1 = tf.compat.v1
-tf1.disable_eager_execution()
-from parity_harness import train_case
-''' + MODEL + '''
-cases = json.loads(open(sys.argv[1]).read())
-arrays = {}
-for index, case in enumerate(cases):
-    apply = lambda *args, case=case: vbs_apply(tf1.layers.batch_normalization, case, *args)
-    case_arrays, _ = train_case(apply, case, index, [case['shape'][0]])
-    arrays.update({'%d/%s' % (index, k): v for k, v in case_arrays.items()})
-np.savez('vbs_reference.npz', **arrays)
-print('RESULT vbs_reference.npz')
+REFERENCE_APPLY = '''
+def reference_apply(case, *args):
+    return vbs_apply(tf1.layers.batch_normalization, case, *args)
 '''
 
 CASES = [
@@ -66,15 +52,10 @@ IDS = [c['name'] for c in CASES]
 
 @pytest.fixture(scope='module')
 def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp('vbs_reference')
-    (tmp / 'cases.json').write_text(json.dumps(CASES))
-    run_reference(REFERENCE_SCRIPT, tmp, args=[str(tmp / 'cases.json')], timeout=300)
-    arrays = np.load(tmp / 'vbs_reference.npz')
-    results = [{} for _ in CASES]
-    for key in arrays.files:
-        index, name = key.split('/', 1)
-        results[int(index)][name] = arrays[key]
-    return results
+    """Every case's arrays, as tf.layers computed them on one device (legacy Keras)."""
+    directory = reference_cases.reference_dir(tmp_path_factory, 'vbs_reference', CASES, MODEL,
+                                              REFERENCE_APPLY, timeout=300)
+    return reference_cases.load_arrays(directory, CASES, 'tf.layers')
 
 
 def _layer(towers):

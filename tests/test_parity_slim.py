@@ -23,15 +23,12 @@ pytest that reuses the reference's results (``without_onednn``).
 
 import contextlib
 import functools
-import json
-import os
-import pathlib
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from legacy_reference import run_reference
+import reference_cases
 from parity_harness import DEFAULT_SIZES, assert_same_numbers, train_case
 from without_onednn import in_child, kernel_set, kernel_sets, run_stock_cases_without_onednn
 from tf1_syncbn import CollectiveBackend, sync_batch_norm
@@ -69,28 +66,12 @@ def slim_apply(layer, case, x, weights, training, tower, towers):
 '''
 exec(MODEL)  # noqa: S102 - defines slim_apply and adjustment here, as in the reference
 
-REFERENCE_SCRIPT = '''
-import json, sys
-import numpy as np
-import tensorflow as tf
+REFERENCE_APPLY = '''
 import tf_slim as slim
-tf1 = tf.compat.v1
-tf1.disable_eager_execution()
-from parity_harness import train_case
-''' + MODEL + '''
-cases = json.loads(open(sys.argv[1]).read())
-arrays, infos = {}, []
-for index, case in enumerate(cases):
-    apply = lambda *args, case=case: slim_apply(slim.batch_norm, case, *args)
-    try:
-        case_arrays, info = train_case(apply, case, index, [case['shape'][0]])
-    except Exception as e:  # reported by the case's tests
-        case_arrays, info = {}, {'error': '%s: %s' % (type(e).__name__, str(e)[:2000])}
-    arrays.update({'%d/%s' % (index, k): v for k, v in case_arrays.items()})
-    infos.append(info)
-np.savez('slim_parity.npz', **arrays)
-open('slim_parity.json', 'w').write(json.dumps(infos))
-print('RESULT slim_parity.npz')
+
+
+def reference_apply(case, *args):
+    return slim_apply(slim.batch_norm, case, *args)
 '''
 
 # ---------------------------------------------------------------------------
@@ -217,26 +198,14 @@ def slim_reference_dir(tmp_path_factory):
     A child run of this module (``test_stock_kernels_without_onednn``) reuses
     its parent's results instead of running tf-slim again.
     """
-    if os.environ.get(REFERENCE_DIR_VARIABLE):
-        return pathlib.Path(os.environ[REFERENCE_DIR_VARIABLE])
-    tmp = tmp_path_factory.mktemp('slim_parity')
-    (tmp / 'cases.json').write_text(json.dumps(CASES))
-    run_reference(REFERENCE_SCRIPT, tmp, args=[str(tmp / 'cases.json')], timeout=600)
-    return tmp
+    return reference_cases.reference_dir(tmp_path_factory, 'slim_parity', CASES, MODEL,
+                                         REFERENCE_APPLY, REFERENCE_DIR_VARIABLE)
 
 
 @pytest.fixture(scope='module')
 def slim_results(slim_reference_dir):
     """Every case's reference arrays and graph info, as tf-slim computed them."""
-    tmp = slim_reference_dir
-    assert json.loads((tmp / 'cases.json').read_text()) == json.loads(json.dumps(CASES))
-    arrays = np.load(tmp / 'slim_parity.npz')
-    infos = json.loads((tmp / 'slim_parity.json').read_text())
-    results = [({}, info) for info in infos]
-    for key in arrays.files:
-        index, name = key.split('/', 1)
-        results[int(index)][0][name] = arrays[key]
-    return results
+    return reference_cases.load(slim_reference_dir, CASES)
 
 
 def _reference(slim_results, case):

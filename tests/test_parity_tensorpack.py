@@ -21,9 +21,6 @@ pytest that reuses the reference's results (``without_onednn``).
 """
 
 import contextlib
-import json
-import os
-import pathlib
 
 import numpy as np
 import pytest
@@ -31,7 +28,7 @@ import tensorflow as tf
 
 from bn_reference import bn_forward
 from conftest import make_session
-from legacy_reference import run_reference
+import reference_cases
 from parity_harness import DEFAULT_SIZES, assert_same_numbers, train_case
 import tf1_syncbn
 from tf1_syncbn import BatchNorm, CollectiveBackend
@@ -59,35 +56,15 @@ def tensorpack_apply(layers, case, x, training, tower, renorm_takes_training=Fal
 '''
 exec(MODEL)  # noqa: S102 - defines tensorpack_apply here, as in the reference
 
-REFERENCE_SCRIPT = '''
-import json, sys
-import numpy as np
-import tensorflow as tf
-tf1 = tf.compat.v1
-tf1.disable_eager_execution()
+REFERENCE_APPLY = '''
 import tensorpack.models as layers
 from tensorpack.tfutils.tower import TowerContext
-from parity_harness import train_case
-''' + MODEL + '''
 
-def apply(x, weights, training, tower, towers, case):
+
+def reference_apply(case, x, weights, training, tower, towers):
     # tensorpack's layers read their mode from its tower context.
     with TowerContext('', is_training=tower is not None):
         return tensorpack_apply(layers, case, x, training, tower)
-
-cases = json.loads(open(sys.argv[1]).read())
-arrays, infos = {}, []
-for index, case in enumerate(cases):
-    try:
-        case_arrays, info = train_case(lambda *args, case=case: apply(*args, case=case), case,
-                                       index, [case['shape'][0]])
-    except Exception as e:  # reported by the case's tests
-        case_arrays, info = {}, {'error': '%s: %s' % (type(e).__name__, str(e)[:2000])}
-    arrays.update({'%d/%s' % (index, k): v for k, v in case_arrays.items()})
-    infos.append(info)
-np.savez('tensorpack_parity.npz', **arrays)
-open('tensorpack_parity.json', 'w').write(json.dumps(infos))
-print('RESULT tensorpack_parity.npz')
 '''
 
 
@@ -150,26 +127,14 @@ def tensorpack_reference_dir(tmp_path_factory):
     A child run of this module (``test_stock_kernels_without_onednn``) reuses
     its parent's results instead of running tensorpack again.
     """
-    if os.environ.get(REFERENCE_DIR_VARIABLE):
-        return pathlib.Path(os.environ[REFERENCE_DIR_VARIABLE])
-    tmp = tmp_path_factory.mktemp('tensorpack_parity')
-    (tmp / 'cases.json').write_text(json.dumps(CASES))
-    run_reference(REFERENCE_SCRIPT, tmp, args=[str(tmp / 'cases.json')], timeout=600)
-    return tmp
+    return reference_cases.reference_dir(tmp_path_factory, 'tensorpack_parity', CASES, MODEL,
+                                         REFERENCE_APPLY, REFERENCE_DIR_VARIABLE)
 
 
 @pytest.fixture(scope='module')
 def tensorpack_results(tensorpack_reference_dir):
     """Every case's reference arrays and graph info, as tensorpack computed them."""
-    tmp = tensorpack_reference_dir
-    assert json.loads((tmp / 'cases.json').read_text()) == json.loads(json.dumps(CASES))
-    arrays = np.load(tmp / 'tensorpack_parity.npz')
-    infos = json.loads((tmp / 'tensorpack_parity.json').read_text())
-    results = [({}, info) for info in infos]
-    for key in arrays.files:
-        index, name = key.split('/', 1)
-        results[int(index)][0][name] = arrays[key]
-    return results
+    return reference_cases.load(tensorpack_reference_dir, CASES)
 
 
 def _reference(results, case):
