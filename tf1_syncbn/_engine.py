@@ -118,7 +118,7 @@ def global_moments(x4, fmt, weights, plan, before=()):
     Returns:
       :class:`GlobalMoments`.
     """
-    channels = x4.shape[_math.channel_axis(fmt)]
+    channels = _math.channels_of(x4, fmt)
     shift = _math.batch_shift(x4, fmt)
     # Shift in float32: x - shift would round in float16/bfloat16.
     x32 = x4 if x4.dtype == _math.STAT_DTYPE else tf.cast(x4, _math.STAT_DTYPE)
@@ -146,7 +146,7 @@ def ghost_moments(x4, fmt, per_member, groups, plan, epsilon, strided=False):
       ``(mean, var, xhat4)``: per-virtual-batch mean and biased variance
       (``[groups, C]``, float32) and the normalized view.
     """
-    channels = x4.shape[_math.channel_axis(fmt)]
+    channels = _math.channels_of(x4, fmt)
     dyn = tf.shape(x4)
     outer = [per_member, groups] if strided else [groups, per_member]
     batch_axis = 0 if strided else 1         # the axis that runs through one virtual batch

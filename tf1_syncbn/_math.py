@@ -99,6 +99,20 @@ def batch_shift(x4, fmt):
     return tf.stop_gradient(tf.reduce_sum(first, [a for a in range(4) if a != channel_axis(fmt)]))
 
 
+def channels_of(x4, fmt):
+    """The static number of channels of a canonical view, as an int (None if unknown).
+
+    Reads the dimension as an int in both TF behaviours (TF1 behaviour's
+    ``Dimension`` objects are not hashable, nor usable as a shape entry).
+    """
+    return tf.compat.dimension_value(x4.shape[channel_axis(fmt)])
+
+
+def vector_length(v):
+    """The static length of a ``[C]`` vector, as an int."""
+    return tf.compat.dimension_value(v.shape[0])
+
+
 def broadcast_shape(fmt, channels):
     """The shape a ``[C]`` vector takes to broadcast against a canonical view."""
     return [1, 1, 1, channels] if fmt == 'NHWC' else [1, channels, 1, 1]
@@ -114,7 +128,7 @@ def shifted_moments(xs4, fmt):
     Returns:
       ``(mean, variance)``: float32 ``[C]``, the variance ``M2 / max(n - 1, 1)``.
     """
-    channels = xs4.shape[channel_axis(fmt)]
+    channels = channels_of(xs4, fmt)
     ones = tf.ones([channels], STAT_DTYPE)
     zeros = tf.zeros([channels], STAT_DTYPE)
     empty = tf.zeros([0], STAT_DTYPE)
@@ -142,7 +156,7 @@ def pack_shifted_moments(first, mean, var, size, fmt):
       The float64 vector of :func:`pack_moments`: ``[n, n*mu, M2 + n*mu^2]``,
       zeros for an empty batch.
     """
-    channels = mean.shape[0]
+    channels = vector_length(mean)
     n = tf.cast(size, PACK_DTYPE) / float(channels)
     shift = tf.reduce_sum(tf.cast(first, PACK_DTYPE),
                           [a for a in range(4) if a != channel_axis(fmt)])
@@ -268,7 +282,7 @@ def gradient_sums(dy4, x4, mean, var, epsilon, fmt):
     Returns:
       ``(dgamma, dbeta)``: two float32 ``[C]`` vectors.
     """
-    channels = x4.shape[channel_axis(fmt)]
+    channels = channels_of(x4, fmt)
     x = x4 if x4.dtype == STAT_DTYPE else tf.cast(x4, STAT_DTYPE)
     xhat, _ = normalize(x, tf.ones([channels], STAT_DTYPE), tf.zeros([channels], STAT_DTYPE),
                         mean, var, epsilon, fmt, name='xhat')
@@ -299,7 +313,7 @@ def gradient_coefficients(gamma, var, count, grads_sum, epsilon, fmt, dtype=tf.f
       ``(dy_scale, xhat_scale, offset)``: ``dy_scale`` shaped to broadcast
       against the canonical view, in ``dtype``; the other two float32 ``[C]``.
     """
-    channels = gamma.shape[0]
+    channels = vector_length(gamma)
     dgamma, dbeta = grads_sum[:channels], grads_sum[channels:]
     scale = gamma * tf.math.rsqrt(var + epsilon)
     inv_n = 1.0 / tf.maximum(count, 1.0)
@@ -353,14 +367,14 @@ def weighted_local_moments(xs4, fmt, weights=None):
         safe = tf.maximum(count, 1.0)
         mean = total / safe
         m2 = tf.reduce_sum(tf.math.squared_difference(
-            x, tf.reshape(mean, broadcast_shape(fmt, xs4.shape[channel_axis(fmt)]))), axes)
+            x, tf.reshape(mean, broadcast_shape(fmt, channels_of(xs4, fmt)))), axes)
         return count, mean, m2
     w = tf.reshape(tf.cast(weights, STAT_DTYPE), [-1, 1, 1, 1])
     per_example = tf.cast(tf.reduce_prod(tf.gather(tf.shape(xs4), axes[1:])), STAT_DTYPE)
     count = tf.reduce_sum(w) * per_example
     safe = tf.where(count > 0, count, tf.ones_like(count))
     mean = tf.reduce_sum(w * x, axes) / safe
-    bshape = broadcast_shape(fmt, xs4.shape[channel_axis(fmt)])
+    bshape = broadcast_shape(fmt, channels_of(xs4, fmt))
     m2 = tf.reduce_sum(w * tf.square(x - tf.reshape(mean, bshape)), axes)
     return count, mean, m2
 

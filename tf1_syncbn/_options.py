@@ -234,12 +234,13 @@ def check_inputs(options, inputs):
         channels_last = axis in (-1, rank - 1)
     if rank == 2:
         channels_last = True
-    channels = x.shape[-1 if channels_last else 1]
+    dims = x.shape.as_list()    # ints and None in both TF behaviours (no Dimension)
+    channels = dims[-1 if channels_last else 1]
     if channels is None:
         raise options.error('the channel dimension (axis %d) of inputs %s is undefined; it '
                             'must be known at graph build to create the variables.'
                             % (-1 if channels_last else 1, x.shape))
-    vbs, batch = options.virtual_batch_size, x.shape[0]
+    vbs, batch = options.virtual_batch_size, dims[0]
     if vbs is not None and batch is not None and batch % vbs:
         raise options.error('%s=%d does not divide the batch size %d.'
                             % (options.arg('virtual_batch_size'), vbs, batch))

@@ -121,7 +121,7 @@ class PortableKernels(object):
         else:
             # x - first would round in float16/bfloat16; their fused kernel
             # accumulates in float32, and the inputs' own rounding dominates.
-            channels = x4.shape[_math.channel_axis(fmt)]
+            channels = _math.channels_of(x4, fmt)
             first = tf.zeros([0] + _math.broadcast_shape(fmt, channels)[1:], x4.dtype)
             xs4 = x4
         mean, var = _math.shifted_moments(xs4, fmt)
@@ -129,7 +129,7 @@ class PortableKernels(object):
         return pack(first, mean, var, tf.size(x4))
 
     def normalize(self, x4, packed_sum, gamma, beta, epsilon, fmt):
-        channels = x4.shape[_math.channel_axis(fmt)]
+        channels = _math.channels_of(x4, fmt)
         mean, var, count = self._vector_math(_math.global_statistics, channels)(packed_sum)
         y4, reserve = _math.normalize(x4, gamma, beta, mean, var, epsilon, fmt)
         return y4, _math.Moments(mean, var, count), (mean, var, count, reserve)
