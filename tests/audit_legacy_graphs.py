@@ -25,7 +25,8 @@ import tf1_syncbn
 from tf1_syncbn import sync_arg_scope
 
 tf1 = tf.compat.v1
-tf1.disable_eager_execution()
+import tf_behavior  # the case's TF behaviour (TF1_SYNCBN_TEST_BEHAVIOR)
+tf_behavior.apply()
 OUT = sys.argv[1]
 BLOCKS = [resnet_v1.resnet_v1_block('block1', base_depth=4, num_units=1, stride=2),
           resnet_v1.resnet_v1_block('block2', base_depth=8, num_units=1, stride=1)]

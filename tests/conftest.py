@@ -1,14 +1,30 @@
-"""Shared fixtures: TF1 graph mode and virtual CPU devices."""
+"""Shared fixtures: the TF behaviour of the run, graph mode and virtual CPU devices.
+
+The whole process runs in one TF behaviour, chosen by
+``$TF1_SYNCBN_TEST_BEHAVIOR`` (``v2``: TF2-behaviour graph mode, the default;
+``v1``: ``tf.compat.v1.disable_v2_behavior()``); see ``tf_behavior.py``.
+``make test`` runs the suite once in each.
+"""
 
 import os
+import sys
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+# Scripts the tests start import tf_behavior (and the packages) from here.
+os.environ['PYTHONPATH'] = os.pathsep.join(
+    [HERE, ROOT] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p])
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-tf.compat.v1.disable_eager_execution()
+import tf_behavior  # noqa: E402
+
+tf_behavior.apply()
 
 from tower import virtual_cpu_config  # noqa: E402
 
@@ -57,3 +73,10 @@ def _stock_child_checks():
         assert not _pywrap_util_port.IsMklEnabled(), 'oneDNN is on in the stock child run'
         assert not kernels.enabled(), 'the custom kernels are enabled in the stock child run'
     yield
+
+
+def pytest_report_header(config):
+    del config
+    return 'TF behaviour: %s (%s=%s)' % (
+        'TF1 (disable_v2_behavior)' if tf_behavior.is_v1() else 'TF2-behaviour graph mode',
+        tf_behavior.VARIABLE, tf_behavior.name())

@@ -84,7 +84,8 @@ def main(argv=None):
     opts = parse_args(argv)
     sizes = [int(s) for s in opts.sizes.split(',')]
     os.environ['TF1_SYNCBN_TIMEOUT'] = str(opts.timeout)
-    tf1.disable_eager_execution()
+    import tf_behavior  # the case's TF behaviour (TF1_SYNCBN_TEST_BEHAVIOR)
+    tf_behavior.apply()
     from tf1_syncbn import sync_batch_norm  # noqa: PLC0415 - after TF1_SYNCBN_TIMEOUT
 
     spec = json.loads(os.environ['TF_CONFIG'])

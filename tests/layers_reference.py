@@ -35,7 +35,8 @@ import json, os, runpy, sys
 import numpy as np
 import tensorflow as tf
 tf1 = tf.compat.v1
-tf1.disable_eager_execution()
+import tf_behavior  # the case's TF behaviour (TF1_SYNCBN_TEST_BEHAVIOR)
+tf_behavior.apply()
 from parity_harness import train_case
 from layers_cases import PARITY_CASES, SCENARIOS, parity_apply, run_scenario
 import getter_case

@@ -222,7 +222,8 @@ class SlowSaver(tf1.train.Saver):
 
 def main(argv=None):
     from tf1_syncbn.distributed import ClusterError, hard_exit, setup_cluster
-    tf1.disable_eager_execution()
+    import tf_behavior  # the case's TF behaviour (TF1_SYNCBN_TEST_BEHAVIOR)
+    tf_behavior.apply()
     opts = parse_args(argv)
     try:
         cluster = setup_cluster(towers=opts.towers, collective_timeout=opts.collective_timeout,

@@ -28,7 +28,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 tf1 = tf.compat.v1
-tf1.disable_eager_execution()
+import tf_behavior  # the case's TF behaviour (TF1_SYNCBN_TEST_BEHAVIOR)
+tf_behavior.apply()
 from parity_harness import train_case
 '''
 

@@ -48,7 +48,8 @@ import json, sys
 import numpy as np
 import tensorflow as tf
 import tf_slim as slim
-tf.compat.v1.disable_eager_execution()
+import tf_behavior  # the case's TF behaviour (TF1_SYNCBN_TEST_BEHAVIOR)
+tf_behavior.apply()
 from tensorpack.models import BatchNorm
 from tensorpack.tfutils.tower import TowerContext
 from strategy_case import train

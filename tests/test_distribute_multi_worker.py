@@ -52,7 +52,8 @@ import sys
 import numpy as np
 import tensorflow as tf
 import tf_slim as slim
-tf.compat.v1.disable_eager_execution()
+import tf_behavior  # the case's TF behaviour (TF1_SYNCBN_TEST_BEHAVIOR)
+tf_behavior.apply()
 from strategy_case import train
 
 layer = eval('lambda x: ' + sys.argv[1])

@@ -34,7 +34,8 @@ import numpy as np
 import tensorflow as tf
 import tf_slim as slim
 tf1 = tf.compat.v1
-tf1.disable_eager_execution()
+import tf_behavior  # the case's TF behaviour (TF1_SYNCBN_TEST_BEHAVIOR)
+tf_behavior.apply()
 ''' + MODEL + '''
 options = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
 rng = np.random.RandomState(0)

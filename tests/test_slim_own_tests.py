@@ -21,7 +21,8 @@ from legacy_reference import run_reference
 SCRIPT = '''
 import json, sys, unittest
 import tensorflow as tf
-tf.compat.v1.disable_eager_execution()
+import tf_behavior  # the case's TF behaviour (TF1_SYNCBN_TEST_BEHAVIOR)
+tf_behavior.apply()
 from tf_slim.layers import layers_test
 from tf1_syncbn import sync_batch_norm
 if sys.argv[1] == 'ours':

@@ -94,7 +94,7 @@ def test_a_step_that_waits_too_long_fails_with_the_reason(graph):
 
 def test_without_the_library_collectives_carry_tensorflows_timeout(tmp_path):
     code = ('import tensorflow as tf\n'
-            'tf.compat.v1.disable_eager_execution()\n'
+            'import tf_behavior; tf_behavior.apply()\n'
             'from tf1_syncbn import CollectiveBackend, sync_batch_norm, kernels\n'
             'from tower import call_for_each_tower\n'
             'call_for_each_tower(lambda: sync_batch_norm(\n'
@@ -125,7 +125,8 @@ def test_sessions_closed_right_after_a_timed_out_step_do_not_crash_the_process()
 import gc
 import numpy as np
 import tensorflow as tf
-tf.compat.v1.disable_eager_execution()
+import tf_behavior  # the case's TF behaviour (TF1_SYNCBN_TEST_BEHAVIOR)
+tf_behavior.apply()
 from bn_reference import towers_skipping_a_layer
 from tf1_syncbn import CollectiveBackend
 from tower import virtual_cpu_config

@@ -308,7 +308,8 @@ import json, sys
 import numpy as np
 import tensorflow as tf
 tf1 = tf.compat.v1
-tf1.disable_eager_execution()
+import tf_behavior  # the case's TF behaviour (TF1_SYNCBN_TEST_BEHAVIOR)
+tf_behavior.apply()
 from tensorpack.models import BatchNorm
 from tensorpack.tfutils.tower import TowerContext
 cases = json.loads(sys.argv[1])

@@ -34,7 +34,9 @@ import sys
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-tf.disable_eager_execution()
+import tf_behavior  # the case's TF behaviour (TF1_SYNCBN_TEST_BEHAVIOR)
+
+tf_behavior.apply()
 
 STEPS = 3
 BATCH = 8
