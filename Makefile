@@ -1,8 +1,8 @@
 # Two commands do all set-up on a fresh machine (Python 3.11 and nothing else):
 #   make demo   creates .venv, installs the project, runs the main job
 #   make test   creates .venv, installs the project and test tools, runs the suite
-# Re-running reuses .venv: installs happen again only when setup.py or this
-# Makefile change.
+# Re-running reuses .venv: installs happen again only when pyproject.toml or
+# this Makefile change.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -20,7 +20,7 @@ $(VENV)/bin/python:
 
 # Install TensorFlow only when no build is importable yet, so an existing
 # tensorflow-cpu / tensorflow / vendor build is never shadowed by a second one.
-$(VENV)/.installed: $(VENV)/bin/python setup.py Makefile
+$(VENV)/.installed: $(VENV)/bin/python pyproject.toml Makefile
 	@if $(PY) -c "import tensorflow" >/dev/null 2>&1; then \
 	    echo "TensorFlow already present: $$($(PY) -c 'import tensorflow as tf; print(tf.__version__)')"; \
 	    $(PIP) install -q -e '.[demo]'; \
@@ -49,7 +49,7 @@ demo: $(VENV)/.installed
 	$(PY) examples/train_multitower.py --overwrite $(DEMO_ARGS)
 
 # pytest.ini adds -rs (skip reasons) and a 300 s limit per test (pytest-timeout,
-# from setup.py's test extra).
+# from pyproject.toml's test extra).
 test: $(VENV)/.installed-test kernels
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)
 
