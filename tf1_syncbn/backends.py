@@ -212,7 +212,7 @@ class CollectiveBackend(SyncBackend):
         return self.timeout
 
     def all_reduce(self, tensor, key, direction):
-        from tensorflow.python.ops import collective_ops
+        from tensorflow.python.ops import collective_ops  # noqa: PLC0415 - TF-internal
         with tf.device(key.device):
             return collective_ops.all_reduce(
                 tensor, key.group_size, self.group_key(key), self.instance_key(key, direction),
@@ -248,7 +248,7 @@ class NcclBackend(SyncBackend):
         return re.sub(r'[^A-Za-z0-9_./-]', '_', 'tf1_syncbn/%s/%s' % (key.name, direction))
 
     def all_reduce(self, tensor, key, direction):
-        from tensorflow.python.ops import gen_nccl_ops
+        from tensorflow.python.ops import gen_nccl_ops  # noqa: PLC0415 - NCCL backend only
         with tf.device(key.device):
             return gen_nccl_ops.nccl_all_reduce(
                 input=tensor, reduction='sum', num_devices=key.group_size,
@@ -267,7 +267,7 @@ class HorovodBackend(SyncBackend):
 
     def __init__(self):
         try:
-            import horovod.tensorflow as hvd
+            import horovod.tensorflow as hvd  # noqa: PLC0415 - optional dependency
         except ImportError as e:
             raise ValueError("sync_statistics='horovod' needs horovod.tensorflow, which does "
                              "not import here (%s). Install horovod or choose another "

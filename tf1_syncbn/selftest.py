@@ -394,7 +394,7 @@ def main(argv=None):
     if note:
         print('note: ' + note)
     if device_type == 'CPU':
-        from tf1_syncbn import kernels
+        from tf1_syncbn import kernels  # noqa: PLC0415 - CPU runs only
         print('CPU kernels: ' + kernels.status())
     results = [run_check(b, towers=towers, steps=args.steps, seed=args.seed,
                          device=args.device) for b in backends]

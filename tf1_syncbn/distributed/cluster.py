@@ -158,7 +158,8 @@ def _parse_address(address, what):
 
 def _cluster_from_tf_config():
     """(cluster dict, job, task index) from TF_CONFIG; None when it names no cluster."""
-    from tensorflow.python.distribute.cluster_resolver import TFConfigClusterResolver
+    from tensorflow.python.distribute.cluster_resolver import (  # noqa: PLC0415 - TF-internal
+        TFConfigClusterResolver)
     resolver = TFConfigClusterResolver()
     spec = resolver.cluster_spec().as_dict()
     if not spec:
@@ -269,7 +270,7 @@ def setup_cluster(towers=1, hosts=None, task=None, device_type='CPU', collective
         raise ValueError("setup_cluster: device_type must be 'CPU' or 'GPU', got %r."
                          % (device_type,))
     if collective_timeout is None:
-        from tf1_syncbn.timeouts import DEFAULT_TIMEOUT
+        from tf1_syncbn.timeouts import DEFAULT_TIMEOUT  # noqa: PLC0415 - read at call time
         collective_timeout = DEFAULT_TIMEOUT
     collective_timeout = validate_timeout(collective_timeout, 'setup_cluster',
                                           'collective_timeout')

@@ -14,7 +14,7 @@ import tensorflow as tf
 from tf1_syncbn import _guards
 from tf1_syncbn.backends import stable_hash
 from tf1_syncbn.timeouts import op_timeout, validate_timeout, watched
-from tower.training import check_tower_grads
+from tower.training import average_gradients, check_tower_grads
 
 tf1 = tf.compat.v1
 
@@ -71,7 +71,7 @@ def _buckets(items, bucket_bytes):
 
 def _all_reduce_packed(tensors, cluster, key):
     """Sum over workers of a list of same-dtype tensors, with one packed all-reduce."""
-    from tensorflow.python.ops import collective_ops
+    from tensorflow.python.ops import collective_ops  # noqa: PLC0415 - TF-internal
     flat = [tf.reshape(t, [-1]) for t in tensors]
     packed = flat[0] if len(flat) == 1 else tf.concat(flat, 0)
     guards = _step_watchdog(cluster)
@@ -121,7 +121,7 @@ def _local_sum(grads, sparse_as_dense):
 
 def _gather_slices(slices, cluster, name, index):
     """All-gathers an IndexedSlices over workers (padded when its length is dynamic)."""
-    from tensorflow.python.ops import collective_ops
+    from tensorflow.python.ops import collective_ops  # noqa: PLC0415 - TF-internal
     graph = tf1.get_default_graph()
     guards = _step_watchdog(cluster)
 
@@ -241,7 +241,6 @@ def all_reduce_gradients(tower_grads, cluster=None, name='gradients',
 
 def _average_local(tower_grads, sparse_as_dense):
     """One worker: the classic in-graph average (``tower.average_gradients``)."""
-    from tower import average_gradients
     if not sparse_as_dense:
         return average_gradients(tower_grads)
     densified = [[(None if g is None else tf.convert_to_tensor(g), v) for g, v in grads]
@@ -309,7 +308,7 @@ def broadcast_variables(variables, cluster, root=0, name='broadcast', timeout=No
     if not 0 <= root < cluster.num_workers:
         raise ValueError('broadcast_variables: root must be in [0, %d), got %r.'
                          % (cluster.num_workers, root))
-    from tensorflow.python.ops import collective_ops
+    from tensorflow.python.ops import collective_ops  # noqa: PLC0415 - TF-internal
     timeout = cluster.collective_timeout if timeout is None else validate_timeout(
         timeout, 'broadcast_variables')
     graph = tf1.get_default_graph()

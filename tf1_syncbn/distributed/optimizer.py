@@ -1,4 +1,4 @@
-"""``DistributedOptimizer``: any TF1 optimizer, with gradients averaged over every tower of every worker."""
+"""``DistributedOptimizer``: a TF1 optimizer, gradients averaged over all towers of all workers."""
 
 import tensorflow as tf
 

@@ -1,4 +1,4 @@
-"""``WorkerSession``: start-up checks, identical start, chief-only checkpoints, lost workers as errors."""
+"""``WorkerSession``: start-up checks, identical start, chief-only checkpoints, lost workers."""
 
 import logging
 import os
