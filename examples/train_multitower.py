@@ -324,7 +324,7 @@ def _is_run_state(name):
 
 
 def earlier_run(out_dir):
-    """The files of an earlier run in ``out_dir`` (checkpoints, history, initial weights, metrics)."""
+    """The files of an earlier run in ``out_dir``: checkpoints, history, weights, metrics."""
     found = [os.path.join(out_dir, name) for name in ('metrics.json', 'initial_weights.npz')
              if os.path.exists(os.path.join(out_dir, name))]
     for run in RUNS:

@@ -24,9 +24,10 @@ import audit_cases
 import tf1_syncbn
 from tf1_syncbn import sync_arg_scope
 
-tf1 = tf.compat.v1
 import tf_behavior  # the case's TF behaviour (TF1_SYNCBN_TEST_BEHAVIOR)
+
 tf_behavior.apply()
+tf1 = tf.compat.v1
 OUT = sys.argv[1]
 BLOCKS = [resnet_v1.resnet_v1_block('block1', base_depth=4, num_units=1, stride=2),
           resnet_v1.resnet_v1_block('block2', base_depth=8, num_units=1, stride=1)]

@@ -274,25 +274,26 @@ def main():
         keep_run(results, info, name, build)
 
     info['kernels'] = tf1_syncbn_kernels.status()
+    # keep() calls each lambda at once: the loop variables they read are current (B023).
     for fmt in DATA_FORMATS:
         suffix = SUFFIX[fmt]
-        keep('reference' + suffix, lambda: train('reference' + suffix,
-                                                 Model(tensorpack_bn, fmt), SimpleTrainer(), 1))
+        keep('reference' + suffix, lambda: train('reference' + suffix,  # noqa: B023
+                                                 Model(tensorpack_bn, fmt), SimpleTrainer(), 1))  # noqa: B023
         for kernel_set in KERNEL_SETS:
             with tf1_syncbn_kernels.use_custom_kernels(kernel_set == 'custom'):
                 for n in CONFIG['towers']:
                     end = suffix + SUFFIX[kernel_set]
                     name = 'ps%d%s' % (n, end)
-                    keep(name, lambda: train(name, Model(synced_bn, fmt),
-                                             SyncMultiGPUTrainerParameterServer(n), n))
+                    keep(name, lambda: train(name, Model(synced_bn, fmt),  # noqa: B023
+                                             SyncMultiGPUTrainerParameterServer(n), n))  # noqa: B023
                     name = 'replicated%d%s' % (n, end)
-                    keep(name, lambda: train(name, Model(synced_bn, fmt),
-                                             SyncMultiGPUTrainerReplicated(n, mode='cpu'), n))
+                    keep(name, lambda: train(name, Model(synced_bn, fmt),  # noqa: B023
+                                             SyncMultiGPUTrainerReplicated(n, mode='cpu'), n))  # noqa: B023
                     name = 'patched%d%s' % (n, end)
                     with tf1_syncbn.patch_tensorpack(sync_statistics='collective') as patch:
                         info.setdefault('patched_modules', patch.patched_modules)
-                        keep(name, lambda: train(name, LinearWrapModel(fmt),
-                                                 SyncMultiGPUTrainerParameterServer(n), n))
+                        keep(name, lambda: train(name, LinearWrapModel(fmt),  # noqa: B023
+                                                 SyncMultiGPUTrainerParameterServer(n), n))  # noqa: B023
     info['restored'] = BatchNorm is sys.modules['tensorpack'].BatchNorm and \
         'tf1_syncbn' not in BatchNorm.__module__
     info['predicted_run'] = 'ps%d%s' % (CONFIG['towers'][0], SUFFIX[KERNEL_SETS[0]])

@@ -71,7 +71,7 @@ def _layer(towers):
 @pytest.mark.parametrize('case', CASES, ids=IDS)
 def test_virtual_batches_equal_tf_layers_on_one_device(reference, case, towers):
     total = case['shape'][0]
-    ours, _ = train_case(lambda *args: vbs_apply(_layer(towers), case, *args), case,
+    ours, _ = train_case(lambda *args: vbs_apply(_layer(towers), case, *args), case,  # noqa: F821
                          CASES.index(case), [total // towers] * towers)
     assert_same_numbers(ours, reference[CASES.index(case)], case, towers)
     shape = ours['var/0/net/bn/moving_mean'].shape
@@ -92,7 +92,7 @@ def test_the_strided_layout_matters(reference):
 
     from unittest import mock
     with mock.patch('tf1_syncbn.layers.check_options', runs_instead):
-        ours, _ = train_case(lambda *args: vbs_apply(_layer(1), case, *args), case, 0, [8])
+        ours, _ = train_case(lambda *args: vbs_apply(_layer(1), case, *args), case, 0, [8])  # noqa: F821
     with pytest.raises(AssertionError):
         assert_same_numbers(ours, reference[0], case, 1)
 

@@ -138,8 +138,8 @@ def test_summary_of_a_collective_error():
         'Graph execution error:\n\nDetected at node \'x\' defined at\n  File "a.py"\n'
         'From /job:worker/replica:0/task:0:\nCollective has timed out waiting for other '
         'workers.\n\t [[{{node CollectiveReduce}}]]'))
-    assert dist_session._summarize(error) == ('DeadlineExceededError: Collective has timed out waiting '
-                                      'for other workers.')
+    assert dist_session._summarize(error) == (
+        'DeadlineExceededError: Collective has timed out waiting for other workers.')
 
 
 def test_a_collective_name_used_twice_in_a_graph_is_an_error():

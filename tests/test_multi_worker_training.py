@@ -148,8 +148,8 @@ def test_two_workers_of_two_towers_equal_one_worker_of_four_towers(reference, un
             np.testing.assert_allclose(result[name], reference[name], rtol=1e-5, atol=1e-6,
                                        err_msg='worker %d: %s' % (rank, name))
     # The workers' own (tower-mean) losses average to the global loss.
-    np.testing.assert_allclose((uninterrupted[0]['local_loss'] + uninterrupted[1]['local_loss']) / 2,
-                               reference['global_loss'], rtol=1e-5)
+    local_losses = uninterrupted[0]['local_loss'] + uninterrupted[1]['local_loss']
+    np.testing.assert_allclose(local_losses / 2, reference['global_loss'], rtol=1e-5)
     # Every worker holds exactly the same variables.
     for name in names:
         np.testing.assert_array_equal(uninterrupted[0][name], uninterrupted[1][name], err_msg=name)

@@ -221,7 +221,7 @@ def _ours(case, sizes, kernel_impl=None):
     if towers > 1:
         layer = functools.partial(sync_batch_norm, sync_statistics=CollectiveBackend(timeout=60))
     with kernel_set(kernel_impl) if kernel_impl else contextlib.nullcontext():
-        ours, info = train_case(lambda *args: slim_apply(layer, case, *args), case,
+        ours, info = train_case(lambda *args: slim_apply(layer, case, *args), case,  # noqa: F821
                                 CASES.index(case), sizes)
     if kernel_impl == 'stock':   # (the compiled set's slow paths use stock ops too)
         assert info['kernel_ops'] == 0, 'the stock kernel set used the compiled kernels'

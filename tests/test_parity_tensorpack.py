@@ -149,7 +149,7 @@ def _ours(case, sizes, kernel_impl=None):
         extra = {'renorm_takes_training': True}
         if towers > 1 and tower is not None:
             extra['sync_statistics'] = CollectiveBackend(timeout=60)
-        return tensorpack_apply(tf1_syncbn, case, x, training, tower, **extra)
+        return tensorpack_apply(tf1_syncbn, case, x, training, tower, **extra)  # noqa: F821
 
     with kernel_set(kernel_impl) if kernel_impl else contextlib.nullcontext():
         ours, info = train_case(apply, case, CASES.index(case), sizes)

@@ -81,7 +81,7 @@ def test_restores_a_slim_checkpoint_and_takes_the_same_step(graph, tmp_path, opt
     run_reference(SLIM_SCRIPT, tmp_path, args=[json.dumps(options)])
     ref = np.load(tmp_path / 'result.npz')
     namespace = {'tf': tf, 'slim': slim}
-    exec(MODEL, namespace)  # the same model code, with our normalizer
+    exec(MODEL, namespace)  # noqa: S102 - the same model code, with our normalizer
     model = namespace['model']
     x = tf1.placeholder(tf.float32, [None, 8, 8, 3])
     with tf1.variable_scope('net'):
