@@ -48,7 +48,7 @@ class BatchNormalization(object):
     ``moving_stddev``, ``renorm_mean``, ``renorm_stddev``. Calling the layer
     adds its moving-average updates to ``UPDATE_OPS`` (``layer.updates``);
     run them with the train op (in the same ``session.run`` as every tower's
-    forward pass: see "When synchronization hangs" in the README). As in
+    forward pass: see docs/timeouts.md, "Timeouts, hangs and failures"). As in
     tf.layers, a layer with ``trainable=False`` normalizes a training batch
     with its statistics but never updates the moving statistics.
 
@@ -58,9 +58,8 @@ class BatchNormalization(object):
       momentum: decay of the moving averages (a number or a float scalar tensor).
       epsilon: added to the variance.
       center, scale: learn ``beta`` / ``gamma``.
-      beta_initializer, gamma_initializer, moving_mean_initializer,
-        moving_variance_initializer: initializers (callables, or ``'zeros'`` /
-        ``'ones'``).
+      beta_initializer, gamma_initializer, moving_mean_initializer, moving_variance_initializer:
+        initializers (callables, or ``'zeros'`` / ``'ones'``).
       beta_regularizer, gamma_regularizer: callables on the variable; their
         losses go to ``REGULARIZATION_LOSSES`` and ``layer.losses``.
       beta_constraint, gamma_constraint: projections the optimizer applies
