@@ -355,23 +355,23 @@ def test_an_imported_plain_graph_audits_as_its_meta_graph(legacy_graphs):
         audit_graph(audit_module.read_meta_graph(str(path)), step))
 
 
-# --- The README's examples. -------------------------------------------------------------------
+# --- The documentation's examples. ------------------------------------------------------------
 
 
-def _readme():
-    with open(os.path.join(ROOT, 'README.md'), encoding='utf-8') as f:
+def _page(name):
+    with open(os.path.join(ROOT, 'docs', name), encoding='utf-8') as f:
         return f.read()
 
 
 def _quick_start_graph(edit=lambda code: code):
-    """The README's Quick start up to its session (``edit`` changes its code), and its train op."""
-    blocks = re.findall(r'^```python\n(.*?)^```', _readme(), re.S | re.M)
+    """docs/slim.md's quick start up to its session (``edit`` changes its code), and its train op."""
+    blocks = re.findall(r'^```python\n(.*?)^```', _page('slim.md'), re.S | re.M)
     code = next(b for b in blocks if 'call_for_each_tower(tower_fn, devices)' in b)
     code = edit(code.split('with tf1.Session', 1)[0])
     namespace = {}
     graph = tf.Graph()
     with graph.as_default():
-        exec(compile(code, 'README.md (Quick start)', 'exec'), namespace)   # noqa: S102
+        exec(compile(code, 'docs/slim.md (quick start)', 'exec'), namespace)   # noqa: S102
     return graph, namespace['train_op']
 
 
@@ -385,9 +385,8 @@ def _broken(code):
         wired, 'train_op = opt.apply_gradients(grads)')
 
 
-def test_the_readme_shows_what_the_audit_prints_for_the_quick_start():
-    section = _readme().split('\n## Check your graph\n', 1)[1].split('\n## ', 1)[0]
-    correct, broken = re.findall(r'^```text\n(.*?)^```', section, re.S | re.M)
+def test_the_docs_show_what_the_audit_prints_for_the_quick_start():
+    correct, broken = re.findall(r'^```text\n(.*?)^```', _page('audit.md'), re.S | re.M)
     assert str(audit_graph(*_quick_start_graph())) == correct.rstrip('\n')
     assert str(audit_graph(*_quick_start_graph(_broken))) == broken.rstrip('\n')
 

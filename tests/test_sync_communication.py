@@ -323,8 +323,8 @@ def test_gpu_towers_on_existing_gpus_build(graph, fake_gpus):
 def test_nccl_gets_the_run_time_check_but_no_deadline_as_documented(graph, fake_gpus):
     """The documented limit: NcclAllReduce cannot be aborted, so no watchdog is armed for it.
 
-    The run-time check (towers never built) still guards it; the README's
-    "When synchronization hangs" says that a tower skipping an NCCL layer at
+    The run-time check (towers never built) still guards it; docs/timeouts.md
+    ("NCCL has no timeout") says that a tower skipping an NCCL layer at
     run time waits forever, and how to get a timeout on GPUs instead.
     """
     from tf1_syncbn import NcclBackend
@@ -340,6 +340,6 @@ def test_nccl_gets_the_run_time_check_but_no_deadline_as_documented(graph, fake_
     check = graph.get_operation_by_name('tf1_syncbn_check_towers')
     assert all(check in op.control_inputs for op in nccl)
     import os  # noqa: PLC0415
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                               'README.md')).read()
-    assert '**NCCL has no timeout**' in readme
+    page = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             'docs', 'timeouts.md')).read()
+    assert '## NCCL has no timeout' in page
