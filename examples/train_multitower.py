@@ -20,7 +20,7 @@ moving-average updates (``UPDATE_OPS``, built on tower 0) run in the same
 need the forward pass of every tower in the same step.
 
 Several workers (data-parallel over processes or machines, on TensorFlow's
-collective runtime; see README "Multiple machines"):
+collective runtime; see docs/multi-worker.md):
 
 * ``--workers W --towers T`` starts W local worker processes of T towers each
   (:mod:`tf1_syncbn.launch`), waits for them and prints the verdict;
@@ -52,7 +52,7 @@ writes ``metrics.json`` (per-step losses and held-out accuracy of ``sync`` and
 the plot to ``docs/demo.png``).
 
 Before training, the chief prints each run's batch-norm audit
-(:func:`tf1_syncbn.audit_graph`, README "Check your graph"): every layer
+(:func:`tf1_syncbn.audit_graph`, docs/audit.md): every layer
 synchronized over all towers, its updates run by the train op; the
 ``per_tower`` run's audit lists its per-tower statistics as a problem, as
 intended for the comparison.
@@ -143,7 +143,7 @@ def parse_args(argv=None):
     parser.add_argument('--min-accuracy', type=float, default=0.95,
                         help='fail (exit 1) when the SyncBN model scores below this')
     parser.add_argument('--update-docs', action='store_true',
-                        help='also copy the plot to docs/demo.png (the README picture)')
+                        help='also copy the plot to docs/demo.png (the picture in docs/demo.md)')
     group = parser.add_argument_group('multiple workers')
     group.add_argument('--workers', type=int, default=1,
                        help='start this many local worker processes (default 1: this process)')
@@ -634,7 +634,7 @@ def run_worker(args, cluster):
         if args.update_docs:
             os.makedirs(os.path.dirname(DOCS_PLOT), exist_ok=True)
             shutil.copyfile(plot_path, DOCS_PLOT)
-            print('Plot copied to %s (the picture for the README).' % os.path.relpath(DOCS_PLOT))
+            print('Plot copied to %s (the picture in docs/demo.md).' % os.path.relpath(DOCS_PLOT))
         print('Total time: %.1f s' % (time.time() - start))
     else:
         print('%s: %s (computed with this worker\'s variables, which the broadcast, the '

@@ -2,8 +2,8 @@
 
 TensorFlow's stock CPU kernels need five passes over the tensor and a few
 dozen small ops per layer for a synchronized batch-norm step, where
-unsynchronized fused batch norm needs two passes and two ops (see the
-README's benchmark section). ``sync_bn_ops.cc`` does the step in four
+unsynchronized fused batch norm needs two passes and two ops (see
+docs/benchmarks.md). ``sync_bn_ops.cc`` does the step in four
 kernels, one pass each, around the two all-reduces.
 
 They are compiled against the installed TensorFlow the first time a
