@@ -57,11 +57,11 @@ synchronized over all towers, its updates run by the train op; the
 ``per_tower`` run's audit lists its per-tower statistics as a problem, as
 intended for the comparison.
 
-What to expect (2 CPU cores, about 45 s, 20 s of it training): at 2
+What to expect (times and machines: docs/demo.md): at 2
 examples per tower the per-tower model's held-out accuracy stays at 77% to
 85% over seeds 0 to 2 (its 2-example statistics are far from the moving
 statistics used at inference) while SyncBN, with 8-example statistics,
-reaches 98% to 99.8% (the figures of README "The demo").
+reaches 98% to 99.8% (docs/demo.md: the figures, and the machines they come from).
 
 The job exits with status 1 when the SyncBN model's held-out accuracy is
 below ``--min-accuracy`` (default 0.95), or when a worker fails; with status
