@@ -12,7 +12,7 @@ DEMO_ARGS ?=
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS='-k kernels -x'`.
 PYTEST_ARGS ?=
 
-.PHONY: demo test install kernels clean bench
+.PHONY: demo test install kernels clean bench lint docs wheel-check
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -q --no-deps "tf-keras~=$$($(PY) -c 'import tensorflow as tf; print(".".join(tf.__version__.split(".")[:2]))').0"
 	touch $@
 
+# The documentation tools (pyproject.toml's docs extra: Sphinx, MyST, furo).
+$(VENV)/.installed-docs: $(VENV)/.installed
+	$(PIP) install -q -e '.[docs]'
+	touch $@
+
 install: $(VENV)/.installed
 
 # Compiles the CPU kernels into the cache (~/.cache/tf1_syncbn) once, visibly,
@@ -50,12 +55,29 @@ demo: $(VENV)/.installed
 
 # pytest.ini adds -rs (skip reasons) and a 300 s limit per test (pytest-timeout,
 # from pyproject.toml's test extra).
-test: $(VENV)/.installed-test kernels
+# make test runs the linter and the documentation build first: a lint error,
+# or a broken reference or docstring in docs/, fails it.
+test: $(VENV)/.installed-test kernels lint docs
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+# ruff, with the rules in pyproject.toml ([tool.ruff]).
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check --no-cache .
+
+# The documentation site (docs/, Sphinx), offline, warnings as errors, into
+# docs/_build/html (git-ignored). Open docs/_build/html/index.html.
+docs: $(VENV)/.installed-docs
+	$(PY) -m sphinx -E -a -W --keep-going -q -b html docs docs/_build/html
+
+# The package as users get it: sdist and wheel (python -m build), installed with
+# tensorflow-cpu into a fresh virtual environment that runs the self-check
+# (.ci/wheel_check.sh). CI runs it after make test.
+wheel-check: $(VENV)/.installed-test
+	PY=$(PY) PYTHON=$(PYTHON) .ci/wheel_check.sh
 
 bench: $(VENV)/.installed kernels
 	$(PY) bench/sync_step.py
 	$(PY) bench/network_step.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache docs/_build

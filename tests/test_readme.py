@@ -1,10 +1,17 @@
-"""Every Python block in README.md runs as written, or is marked as a fragment.
+"""Every Python block in README.md and docs/*.md runs as written, or is marked as a fragment.
 
 A block is a fragment when its first line is a comment starting with
 ``# Fragment``; it must still be valid Python. Every other block is run, as
-it is, in a fresh interpreter.
+it is, in a fresh interpreter, in the TF behaviour of the test run
+(``tf_behavior``: the block's own ``disable_eager_execution()`` in v2,
+``disable_v2_behavior()`` first in v1). A block that appears several times
+(the README's quick start and its page) runs once. The README's links into
+docs/, and the pages' links to each other, must name existing pages and
+headings as GitHub reads them (Sphinx checks them as the site reads them:
+``make docs``).
 """
 
+import glob
 import os
 import re
 import subprocess
@@ -12,17 +19,27 @@ import sys
 
 import pytest
 
+import tf_behavior
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _BLOCK = re.compile(r'^```python\n(.*?)^```', re.S | re.M)
+PAGES = ['README.md'] + sorted(
+    os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, 'docs', '*.md')))
+
+
+def _read(page):
+    with open(os.path.join(ROOT, page), encoding='utf-8') as f:
+        return f.read()
 
 
 def _blocks():
-    with open(os.path.join(ROOT, 'README.md'), encoding='utf-8') as f:
-        text = f.read()
+    """[(``page:line``, code)] for every Python block of every page."""
     blocks = []
-    for match in _BLOCK.finditer(text):
-        line = text.count('\n', 0, match.start()) + 1
-        blocks.append((line, match.group(1)))
+    for page in PAGES:
+        text = _read(page)
+        for match in _BLOCK.finditer(text):
+            line = text.count('\n', 0, match.start()) + 1
+            blocks.append(('%s:%d' % (page, line), match.group(1)))
     return blocks
 
 
@@ -30,22 +47,59 @@ def _is_fragment(code):
     return code.lstrip().startswith('# Fragment')
 
 
-COMPLETE = [(line, code) for line, code in _blocks() if not _is_fragment(code)]
+def _complete_blocks():
+    """[(``page:line[, page:line ...]``, code)]: each distinct runnable block once."""
+    where = {}
+    for place, code in _blocks():
+        if not _is_fragment(code):
+            where.setdefault(code, []).append(place)
+    return [(', '.join(places), code) for code, places in where.items()]
 
 
-def test_the_readme_has_runnable_blocks_and_every_block_parses():
-    assert len(COMPLETE) >= 3, 'README.md lost its runnable examples'
-    for line, code in _blocks():
-        compile(code, 'README.md:%d' % line, 'exec')
+COMPLETE = _complete_blocks()
 
 
-@pytest.mark.parametrize('line,code', COMPLETE, ids=['README.md:%d' % l for l, _ in COMPLETE])
-def test_complete_block_runs(line, code, tmp_path):
+def test_the_pages_have_runnable_blocks_and_every_block_parses():
+    assert any(place.startswith('README.md:') for place, _ in COMPLETE), \
+        'README.md lost its runnable quick start'
+    assert len(COMPLETE) >= 6, 'the documentation lost its runnable examples'
+    for place, code in _blocks():
+        compile(code, place, 'exec')
+
+
+@pytest.mark.parametrize('place,code', COMPLETE, ids=[place for place, _ in COMPLETE])
+def test_complete_block_runs(place, code, tmp_path):
     script = tmp_path / 'block.py'
-    script.write_text(code)
+    script.write_text(tf_behavior.SOURCE + code if tf_behavior.is_v1() else code)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3',
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]))
     proc = subprocess.run([sys.executable, str(script)], cwd=str(tmp_path), env=env,
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, 'README.md:%d failed:\n%s\n%s' % (
-        line, proc.stdout[-2000:], proc.stderr[-4000:])
+    assert proc.returncode == 0, '%s failed:\n%s\n%s' % (
+        place, proc.stdout[-2000:], proc.stderr[-4000:])
+
+
+def _slug(heading):
+    """The anchor GitHub and MyST give a heading (lower case, punctuation dropped)."""
+    text = re.sub(r'[^\w\- ]', '', heading.strip().lower())
+    return text.replace(' ', '-')
+
+
+def _anchors(page):
+    text = re.sub(r'^```.*?^```', '', _read(page), flags=re.S | re.M)   # not in code blocks
+    return {_slug(m.group(1)) for m in re.finditer(r'^#{1,6} (.*)$', text, re.M)}
+
+
+def test_links_between_pages_name_pages_and_headings_that_exist():
+    """Relative links (``page.md#heading``, ``#heading``) work on GitHub as in the site."""
+    readme_links = re.findall(r'\]\(docs/', _read('README.md'))
+    assert len(readme_links) >= 10, 'README.md lost its links into the documentation'
+    for page in PAGES:
+        for target, anchor in re.findall(r'\]\(([^)#\s:]*)(?:#([^)\s]+))?\)', _read(page)):
+            linked = os.path.normpath(os.path.join(os.path.dirname(page), target)) \
+                if target else page
+            assert os.path.exists(os.path.join(ROOT, linked)), '%s links to missing %s' % (
+                page, target)
+            if anchor and linked.endswith('.md'):
+                assert anchor in _anchors(linked), '%s links to %s#%s: no such heading' % (
+                    page, linked, anchor)
