@@ -21,8 +21,8 @@ import tensorflow as tf
 from tf1_syncbn._core import batch_norm
 from tf1_syncbn._options import check_graph_mode, check_inputs, check_options
 from tf1_syncbn._tf_layers_rules import (BASE_NAME, DTYPES, channel_axis, check_axis_type,
-                                         check_callable, tf_layers_runs_fused_kernel,
-                                         unique_layer_name)
+                                         check_callable, ghost_batches_in_training,
+                                         tf_layers_runs_fused_kernel, unique_layer_name)
 from tf1_syncbn._variables import STATISTICS_AGGREGATION, Params, RenormVariables
 
 __all__ = ['BatchNormalization', 'batch_normalization']
@@ -78,9 +78,12 @@ class BatchNormalization(object):
         the means over the virtual batches of their means and biased
         variances; the variables have shape ``[1, 1, ..., C]``. Synchronized
         over ``N`` towers, every tower must have the same batch size, a
-        multiple of ``virtual_batch_size / N``. With a tensor ``training``,
-        tf.layers (TF2 behaviour) normalizes the whole batch at once, and so
-        does this layer. Not with ``renorm``, ``adjustment`` or ``fused=True``.
+        multiple of ``virtual_batch_size / N``. With a bool-tensor
+        ``training``, tf.layers normalizes the whole batch at once in TF2
+        behaviour, and ghost batches in TF1 behaviour
+        (``disable_v2_behavior()``), and so does this layer (see
+        :func:`tf1_syncbn._tf_layers_rules.ghost_batches_in_training`). Not
+        with ``renorm``, ``adjustment`` or ``fused=True``.
       adjustment: a function from the input's dynamic shape to ``(scale,
         bias)``, applied to the normalized values in training.
       name: the layer's name and variable scope.
@@ -269,9 +272,7 @@ class BatchNormalization(object):
         if vbs is not None and self._fused_hint is True:
             raise ValueError('%s: Passing `fused=True` is not supported when '
                              '`virtual_batch_size` is specified.' % layer)
-        # tf.layers (TF2 behaviour) ghost-batches only when training is a Python
-        # True; with a tensor it reshapes to [-1, 1]: one virtual batch, the whole one.
-        ghost = vbs if training is True else None
+        ghost = vbs if ghost_batches_in_training(training) else None
         options = check_options(
             layer, arg_names={'is_training': 'training'}, axis=axis, is_training=training,
             momentum=self.momentum, epsilon=self.epsilon, center=self.center,
