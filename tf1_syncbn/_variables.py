@@ -83,13 +83,41 @@ def read(value):
 
     Variables of shape ``[1, ..., 1, C]`` (tf.layers' ghost batch norm keeps
     them so) are read as ``[C]``; the updates assign them in their own shape.
+
+    In TF1 behaviour (reference variables), reading a variable gives a tensor
+    that shares the variable's buffer: an assignment of the same step (the
+    layer's own moving-average updates, an optimizer's update of ``gamma``)
+    that runs before the read's consumers would change what they compute.
+    Such reads are copied (one ``Snapshot`` of ``[C]`` values), so that every
+    consumer sees the value the variable had when the read ran. Reads of
+    resource variables are already copies and stay as they are.
     """
     if value is None:
         return None
     tensor = tf.convert_to_tensor(value)
+    if _aliases_a_reference_variable(tensor):
+        # Snapshot copies a buffer it shares; TensorFlow registers no gradient
+        # for it, Identity's is the right one.
+        with tf1.get_default_graph().gradient_override_map({'Snapshot': 'Identity'}):
+            tensor = tf.raw_ops.Snapshot(input=tensor, name='read_copy')
     if tensor.shape.ndims is not None and tensor.shape.ndims > 1:
         tensor = tf.reshape(tensor, [-1])
     return tensor
+
+
+# Ops whose output is their first input's buffer (no copy).
+_FORWARDING_OPS = ('Identity', 'RefIdentity')
+
+
+def _aliases_a_reference_variable(tensor):
+    """Whether ``tensor`` may be the buffer of a reference variable (TF1 behaviour)."""
+    while True:
+        if tensor.dtype._is_ref_dtype:  # noqa: SLF001 - TensorFlow has no public test
+            return True
+        op = tensor.op
+        if op.type not in _FORWARDING_OPS or not op.inputs:
+            return False
+        tensor = op.inputs[0]
 
 
 def assignable(value):

@@ -1,0 +1,82 @@
+"""No output or gradient depends on whether an assignment of the same step ran first.
+
+In TF1 behaviour (``disable_v2_behavior()``) variables are reference
+variables: a read shares the variable's buffer, so an assignment of the same
+step (the layer's own moving-average updates, renorm's statistics, an
+optimizer's update of ``gamma``) that runs before the read's consumers changes
+what they compute, and identical steps give different numbers from run to
+run. Each case here repeats one training step 40 times from the same
+variables and requires bitwise-identical results, on both kernel sets; in
+TF2-behaviour graph mode (resource variables) the same must hold.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import make_session
+from tf1_syncbn import sync_batch_norm
+from tower import TowerContext, average_gradients
+
+tf1 = tf.compat.v1
+TOWERS = 4
+REPEATS = 40
+
+CASES = {
+    # renorm reads renorm_mean/renorm_stddev, which the main tower's update ops
+    # assign in the same step (16 of 40 runs differed before).
+    'renorm': dict(renorm=True, renorm_decay=0.5, decay=0.5, scale=True,
+                   renorm_clipping={'rmax': 3.0, 'rmin': 0.3, 'dmax': 5.0}),
+    # the fast path's input gradient uses gamma, which the optimizer assigns.
+    'fused': dict(scale=True, decay=0.5),
+    'fused=False': dict(scale=True, fused=False, decay=0.5),
+}
+
+
+def _step(params):
+    """A 4-tower graph: outputs, input gradients, one SGD step and the update ops."""
+    x = tf1.placeholder(tf.float32, [None, 4, 4, 6])
+    opt = tf1.train.GradientDescentOptimizer(5.0)
+    ys, dxs, tower_grads = [], [], []
+    for i, xi in enumerate(tf.split(x, TOWERS)):
+        with tf.device('/cpu:%d' % i), TowerContext('tower%d' % i, index=i, total=TOWERS):
+            y = sync_batch_norm(xi, is_training=True, **params)
+            loss = tf.reduce_sum(y * tf.sin(xi))
+            variables = tf1.trainable_variables()
+            grads = tf.gradients(loss, [xi] + variables)
+            ys.append(y)
+            dxs.append(grads[0])
+            tower_grads.append(list(zip(grads[1:], variables)))
+    with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+        train_op = opt.apply_gradients(average_gradients(tower_grads))
+    return x, [tf.concat(ys, 0), tf.concat(dxs, 0)], train_op
+
+
+@pytest.mark.usefixtures('kernel_impl')
+@pytest.mark.parametrize('case', sorted(CASES))
+def test_identical_steps_give_identical_numbers(graph, case):
+    x, fetches, train_op = _step(CASES[case])
+    rng = np.random.RandomState(0)
+    warmup = (rng.randn(16, 4, 4, 6) * 2.0 + 1.0).astype(np.float32)
+    data = (rng.randn(16, 4, 4, 6) * 3.0 + 5.0).astype(np.float32)
+    with make_session(graph, TOWERS) as sess:
+        sess.run(tf1.global_variables_initializer())
+        for _ in range(2):    # statistics away from their initial values
+            sess.run(train_op, {x: warmup})
+        variables = tf1.global_variables()
+        start = sess.run(variables)
+        runs = []
+        for _ in range(REPEATS):
+            for variable, value in zip(variables, start):
+                variable.load(value, sess)
+            runs.append(sess.run(fetches + [train_op] + variables, {x: data}))
+    names = ['outputs', 'input gradients', 'train_op'] + [v.op.name for v in variables]
+    first = runs[0]
+    differing = {}
+    for k, run in enumerate(runs):
+        for name, a, b in zip(names, run, first):
+            if name != 'train_op' and not np.array_equal(a, b):
+                differing.setdefault(k, []).append(
+                    '%s (max %g)' % (name, np.max(np.abs(np.subtract(a, b)))))
+    assert not differing, '%d of %d identical steps differ: %s' % (
+        len(differing), REPEATS, sorted(differing.items())[:5])
