@@ -15,6 +15,7 @@ import collections
 import tensorflow as tf
 
 from tf1_syncbn import _guards, timeouts
+from tf1_syncbn._control_flow import enclosing_while_loop
 from tf1_syncbn._group import choose_backend, current_device
 from tf1_syncbn._registry import get_registry
 from tf1_syncbn.backends import SyncKey
@@ -74,8 +75,10 @@ def plan_sync(options, group):
       None, a single member, or ``'auto'`` in an unknown group, which warns).
 
     Raises:
-      ValueError: see :func:`~tf1_syncbn._group.choose_backend`, the
-        backend's ``check`` and :meth:`~tf1_syncbn._registry.CallRegistry.register`.
+      ValueError: inside a while loop (see
+        :func:`tf1_syncbn._control_flow.enclosing_while_loop`); and
+        see :func:`~tf1_syncbn._group.choose_backend`, the backend's ``check``
+        and :meth:`~tf1_syncbn._registry.CallRegistry.register`.
     """
     if options.sync_statistics is None:
         return None
@@ -86,6 +89,15 @@ def plan_sync(options, group):
     group_size = backend.group_size(group.towers)
     if group_size == 1:
         return None
+    loop = enclosing_while_loop()
+    if loop is not None:
+        raise options.error(
+            'a synchronized layer cannot be built inside the while loop %r (tf.while_loop, or '
+            'tf.map_fn / tf.scan / a tf.function loop built on it). Its all-reduces would have '
+            'to run the same number of times in every tower, and a loop body drops the control '
+            'inputs that bound them, so any mismatch would hang. Build the layer outside the '
+            'loop, or pass %s=None for per-tower statistics inside it.'
+            % (loop, options.arg('sync_statistics')))
     key = SyncKey(name=group.call, layer=tf.compat.v1.get_variable_scope().name,
                   group_size=group_size, device=device)
     backend.check(key)
@@ -93,3 +105,4 @@ def plan_sync(options, group):
                             track=isinstance(group.ctx, TowerContext))
     guards, watched = _guards.step_guards(device, backend.step_timeout())
     return SyncPlan(backend, key, guards, watched)
+

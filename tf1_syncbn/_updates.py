@@ -20,6 +20,7 @@ import numbers
 import tensorflow as tf
 
 from tf1_syncbn import _math
+from tf1_syncbn._control_flow import enclosing_while_loop
 from tf1_syncbn._variables import assignable, read
 from tower._state import get_graph_state
 
@@ -209,7 +210,9 @@ def share_updates(group, updates, updating, updates_collections):
         layer, nothing to share).
     """
     if group.towers == 1 or updates_collections is None or not updating or \
-            group.replicated_updates:
+            group.replicated_updates or enclosing_while_loop() is not None:
+        # (Inside a while loop, per-tower statistics: each tower's loop body is
+        # a frame of its own, which no other tower's op can depend on.)
         return
     shared = get_graph_state().slot('tf1_syncbn.updates', _SharedUpdates)
     key = (group.towers, group.call)
