@@ -95,6 +95,29 @@ class _Patch(object):
         return False
 
 
+def _attributes_holding(originals):
+    """``[(module, attribute, original)]``: every module attribute that *is* one of ``originals``.
+
+    Found by identity, under any name: ``from tensorpack.models import
+    BatchNorm as BN`` is replaced as ``BN``. Module namespaces are read as
+    dicts, so no module's attribute hooks run.
+    """
+    by_id = {id(f): f for f in originals.values()}
+    found = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, '__dict__', None)
+        if not isinstance(namespace, dict):
+            continue
+        for attribute, value in list(namespace.items()):
+            if id(value) in by_id and value is by_id[id(value)]:
+                found.append((module, attribute, value))
+    return found
+
+
+def _name_of(original, originals):
+    return next(name for name, f in originals.items() if f is original)
+
+
 def patch_tensorpack(sync_statistics=None, **defaults):
     """Makes code written for tensorpack's ``BatchNorm``/``BatchRenorm`` build this library's.
 
@@ -112,11 +135,13 @@ def patch_tensorpack(sync_statistics=None, **defaults):
     * tensorpack's layer registry, which ``LinearWrap(x).BatchNorm('bn')``
       looks layers up in;
     * every attribute, in every loaded module, that *is* tensorpack's
-      ``BatchNorm`` or ``BatchRenorm`` function: ``tensorpack.BatchNorm``,
-      ``tensorpack.models.BatchNorm``, and the names your own modules
-      imported (``from tensorpack import *`` before this call included).
-      Nothing else is touched: an attribute is replaced only when it is the
-      very function object tensorpack defines;
+      ``BatchNorm`` or ``BatchRenorm`` function, under any name:
+      ``tensorpack.BatchNorm``, ``tensorpack.models.BatchNorm``, and the
+      names your own modules imported (``from tensorpack import *`` before
+      this call included, and aliases such as ``from tensorpack.models import
+      BatchNorm as BN``). Nothing else is touched: an attribute is replaced
+      only when it is the very function object tensorpack defines, and
+      :meth:`restore` puts back exactly those;
     * while active, the layers default to the given keyword arguments
       (``sync_statistics`` and ``**defaults``); explicit arguments and
       ``argscope`` still win.
@@ -152,14 +177,7 @@ def patch_tensorpack(sync_statistics=None, **defaults):
     if any(f is ours[name] for name, f in theirs.items()):
         raise RuntimeError('patch_tensorpack: tensorpack is already patched; restore the '
                            'active patch first.')
-    replaced = []
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, '__dict__', None)
-        if not namespace:
-            continue
-        for name in _LAYER_NAMES:
-            if namespace.get(name) is theirs[name]:
-                replaced.append((module, name, theirs[name]))
+    replaced = _attributes_holding(theirs)
     for key in defaults:
         for name, layer in ours.items():
             if key not in inspect.signature(layer).parameters:
@@ -169,8 +187,8 @@ def patch_tensorpack(sync_statistics=None, **defaults):
     layer_defaults = dict(defaults)
     layer_defaults['sync_statistics'] = sync_statistics
     per_layer = {name: dict(layer_defaults) for name in _LAYER_NAMES}
-    for module, name, _ in replaced:
-        setattr(module, name, ours[name])
+    for module, attribute, original in replaced:
+        setattr(module, attribute, ours[_name_of(original, theirs)])
     registry.update(ours)
     with _LOCK:
         _DEFAULTS.update(per_layer)
