@@ -364,7 +364,7 @@ def _page(name):
 
 
 def _quick_start_graph(edit=lambda code: code):
-    """docs/slim.md's quick start up to its session (``edit`` changes its code), and its train op."""
+    """docs/slim.md's quick start up to its session (``edit`` edits its code), and its train op."""
     blocks = re.findall(r'^```python\n(.*?)^```', _page('slim.md'), re.S | re.M)
     code = next(b for b in blocks if 'call_for_each_tower(tower_fn, devices)' in b)
     code = edit(code.split('with tf1.Session', 1)[0])
