@@ -128,7 +128,7 @@ def _count_in_graph_def(graph, op_types):
 
 
 def test_one_check_and_one_watchdog_per_graph_and_host_under_a_tensor_is_training(graph):
-    """Layers x towers x tf.cond branches used to build one Python check and one watchdog each."""
+    """Layers x towers x tf.cond branches used to build one check and one watchdog each."""
     is_training = tf1.placeholder(tf.bool, [])
 
     def net(x):
@@ -139,7 +139,9 @@ def test_one_check_and_one_watchdog_per_graph_and_host_under_a_tensor_is_trainin
 
     towers = build_towers(net, 4, (None, 3))
     tf.gradients(towers['loss'], towers['xs'])
-    assert _count_in_graph_def(graph, ('PyFunc',)) == 1
+    assert _count_in_graph_def(graph, ('PyFunc', 'EagerPyFunc')) == 0
+    assert sum(1 for node in graph.as_graph_def().node
+               if node.name == 'tf1_syncbn_check_towers' and node.op == 'Assert') == 1
     assert _count_in_graph_def(graph, ('SyncBnStepWatchdog',)) == 1
     # And it runs: training and inference steps of the same graph.
     feed = {x: np.random.RandomState(0).randn(3, 3).astype(np.float32) for x in towers['xs']}

@@ -335,7 +335,7 @@ def test_nccl_gets_the_run_time_check_but_no_deadline_as_documented(graph, fake_
     types = [op.type for op in graph.get_operations()]
     assert types.count('NcclAllReduce') == 2
     assert 'SyncBnStepWatchdog' not in types
-    assert types.count('PyFunc') == 1            # tf1_syncbn_check_towers
+    assert types.count('Assert') == 1            # tf1_syncbn_check_towers
     nccl = [op for op in graph.get_operations() if op.type == 'NcclAllReduce']
     check = graph.get_operation_by_name('tf1_syncbn_check_towers')
     assert all(check in op.control_inputs for op in nccl)

@@ -5,15 +5,22 @@ worker process that runs a tower), whatever the number of layers, towers and
 ``tf.cond`` branches; TensorFlow runs an op at most once per step, so each
 runs once per step and host:
 
-* **The run-time check** (``tf1_syncbn_check_towers``) fails the first run
-  with ``InvalidArgumentError`` when some tower of a synchronized group was
-  never built (``TowerContext(total=4)`` with two towers built, ``num_dev=4``
-  with two name-scope towers): the graph builder cannot know when a harness
-  has built its last tower, and the all-reduce would wait for the missing
-  members until the timeout. It is a Python op (``tf.numpy_function``)
-  whose answer is cached once it passes. A graph exported with
-  ``export_meta_graph`` and imported elsewhere cannot run it:
-  ``TF1_SYNCBN_RUNTIME_CHECK=0`` leaves it out of graphs built for that.
+* **The run-time check** (``tf1_syncbn_check_towers``) fails a run with
+  ``InvalidArgumentError`` when some tower of a synchronized group was never
+  built (``TowerContext(total=4)`` with two towers built, ``num_dev=4`` with
+  two name-scope towers): the graph builder cannot know when a harness has
+  built its last tower, and the all-reduce would wait for the missing
+  members until the timeout. It is plain TensorFlow: an ``Assert`` on two
+  constants, the verdict and the message of
+  :meth:`~tf1_syncbn._registry.CallRegistry.run_time_verdict`, which the
+  registry rewrites in the graph whenever a registration changes them. So
+  it runs no Python, costs nothing per step, and survives the process: a
+  meta graph, a ``GraphDef`` or a frozen graph carry it with the verdict of
+  the graph as saved. A session reads a graph's ops when it first runs
+  them: one that ran the graph before more synchronized layers were built
+  into it keeps the earlier verdict (TensorFlow logs a warning that a
+  changed op has no effect); open a new session after extending a graph.
+  ``TF1_SYNCBN_RUNTIME_CHECK=0`` leaves the check out.
 * **The step watchdog** (``SyncBnStepWatchdog``, compiled with the CPU
   kernels; :mod:`tf1_syncbn.kernels`) arms a deadline of ``timeout`` seconds
   when the step reaches the first collective of this host. One thread for
@@ -35,9 +42,9 @@ captures), so a tensor ``is_training`` adds no op per layer or step.
 """
 
 import os
-import weakref
 
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
 
 from tf1_syncbn._registry import get_registry
 from tower._state import get_graph_state, root_graph
@@ -124,26 +131,30 @@ def _shared_op(slot, build):
 
 
 def _build_check():
+    """``Assert(complete, [message])`` on constants that follow the registry's verdict."""
     registry = get_registry()
-    return tf.numpy_function(_run_time_check(weakref.ref(registry)), [], [],
+    complete, message = registry.run_time_verdict()
+    flag = tf.constant(complete, name='tf1_syncbn_towers_complete')
+    text = tf.constant(message, name='tf1_syncbn_towers_message')
+    shown = [complete, message]
+
+    def follow():
+        # The constants of the graph are rewritten in place: a session that has
+        # not run them yet, and anything exported from now on, sees the new values.
+        complete, message = registry.run_time_verdict()
+        if complete != shown[0]:
+            _set_constant(flag.op, complete, tf.bool)
+            shown[0] = complete
+        if not complete and message != shown[1]:
+            _set_constant(text.op, message, tf.string)
+            shown[1] = message
+
+    registry.listeners.append(follow)
+    return tf.raw_ops.Assert(condition=flag, data=[text], summarize=1,
                              name='tf1_syncbn_check_towers')
 
 
-def _run_time_check(registry_ref):
-    """The check's Python function; it refers to its registry weakly (no graph kept alive)."""
-    passed = [-1]
-
-    def check():
-        registry = registry_ref()
-        if registry is None or passed[0] == registry.version:
-            return
-        problems = registry.missing_towers()
-        if problems:
-            raise ValueError(
-                'tf1_syncbn: some towers of a synchronized group were never built, so the '
-                'all-reduce of these layers would wait for them until the collective timeout: '
-                '%s. Build every tower of the group, or give the tower context total (or '
-                'num_dev) the number of towers you build.' % '; '.join(problems))
-        passed[0] = registry.version
-
-    return check
+def _set_constant(op, value, dtype):
+    """Sets the value of the ``Const`` op ``op`` (a scalar of ``dtype``)."""
+    proto = tf.make_tensor_proto(value, dtype)
+    op._set_attr('value', attr_value_pb2.AttrValue(tensor=proto))  # noqa: SLF001

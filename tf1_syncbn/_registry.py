@@ -8,7 +8,9 @@
   backends, a key collision), and are checked for towers that never built
   them: when every tower of a ``TowerContext`` group has been built
   (:meth:`CallRegistry.on_tower_exit`) and, for harnesses that never say when
-  their last tower is built, at the first run (:mod:`tf1_syncbn._guards`).
+  their last tower is built, at run time (:mod:`tf1_syncbn._guards`), from
+  the verdict of :meth:`CallRegistry.run_time_verdict`, which the registry
+  keeps current in the graph through its listeners.
 
 The registry lives on its graph (:mod:`tower._state`), shared by the graph's
 ``tf.cond`` branches.
@@ -31,8 +33,12 @@ class CallRegistry(object):
     """What the towers of one graph built: call names and synchronized members.
 
     Attributes:
-      version: bumped on every registration (the run-time check caches on it).
+      listeners: callables run after every registration that changes
+        :meth:`run_time_verdict` (the run-time checks of :mod:`tf1_syncbn._guards`).
     """
+
+    #: Incomplete groups a run-time message names (then: "and N more").
+    MESSAGE_GROUPS = 3
 
     def __init__(self):
         self._call_counts = collections.defaultdict(int)  # (towers, tower, base) -> calls
@@ -41,7 +47,8 @@ class CallRegistry(object):
         self._hashes = {}           # stable hash -> call name
         self._exited = collections.defaultdict(set)   # total -> tower indices exited
         self._pending = collections.defaultdict(set)  # total -> call names to check
-        self.version = 0
+        self._incomplete = {}       # call names some tower has not built yet, in order
+        self.listeners = []
 
     def call_name(self, towers, tower_index, base):
         """The name of this call of ``base``, the same in every tower.
@@ -98,9 +105,16 @@ class CallRegistry(object):
                     'its own device.' % (key.layer, index, tower_index, key.device))
         members[tower_index] = _Member(key.device, backend, key.layer)
         self._totals[key.name] = total
-        self.version += 1
         if track:
             self._pending[total].add(key.name)
+        was_incomplete = bool(self._incomplete)
+        if len(members) < total:
+            self._incomplete[key.name] = True
+        else:
+            self._incomplete.pop(key.name, None)
+        if was_incomplete or self._incomplete:
+            for listener in self.listeners:
+                listener()
 
     def missing_towers(self, names=None):
         """Descriptions of the synchronized calls that some tower never built.
@@ -124,6 +138,30 @@ class CallRegistry(object):
                                     's' if len(missing) > 1 else '',
                                     ', '.join(map(str, missing))))
         return problems
+
+    def run_time_verdict(self):
+        """What the run-time check says now: ``(complete, message)``.
+
+        Kept incrementally (no scan of every call): ``message`` names the
+        first :attr:`MESSAGE_GROUPS` incomplete groups, in the order they were
+        built, and how many more there are; it is ``''`` when every group is
+        complete.
+        """
+        if not self._incomplete:
+            return True, ''
+        names = []
+        for name in self._incomplete:
+            names.append(name)
+            if len(names) == self.MESSAGE_GROUPS:
+                break
+        more = len(self._incomplete) - len(names)
+        return False, (
+            'tf1_syncbn: some towers of a synchronized group were never built, so the '
+            'all-reduce of these layers would wait for them until the collective timeout: '
+            '%s%s. Build every tower of the group, or give the tower context total (or '
+            'num_dev) the number of towers you build.' % (
+                '; '.join(self.missing_towers(names)),
+                ' and %d more group%s' % (more, 's' if more > 1 else '') if more else ''))
 
     def on_tower_exit(self, ctx):
         """Once every tower of a ``TowerContext`` group has been built, checks they match.
