@@ -92,42 +92,42 @@ def _two_towers(scope, xs=None):
     return xs, ys
 
 
-def test_complete_groups_pass_the_run_time_check_once(graph, monkeypatch):
-    """One small check op per host, whose Python check is cached once it passes.
+def test_the_run_time_check_is_an_assert_on_constants_that_follow_the_registry(graph):
+    """One ``Assert`` per host on two constants: no Python runs in a step.
 
-    The check looks for towers that were never built (the registry's
-    ``missing_towers``) in the first run only; later runs reuse the verdict
-    until another synchronized call is registered.
+    Before, the check was a ``tf.numpy_function`` whose callback died with the
+    process that built it (an imported meta graph could not run). Now the
+    registry rewrites the constants as towers register: complete groups pass,
+    also once the graph is extended with more complete layers in the same
+    session, and a layer that a tower never builds fails the next session.
     """
-    from tf1_syncbn._registry import get_registry  # noqa: PLC0415 - the check's own state
     xs, ys = _two_towers('bn')
-    checks = [op for op in graph.get_operations() if op.name == 'tf1_syncbn_check_towers']
-    assert len(checks) == 1   # one per host, not per layer or tower
-    registry = get_registry(graph)
-    calls = []
-    original = registry.missing_towers
-
-    def counted(names=None):
-        if names is None:   # every group: the run-time check (the build-time one names them)
-            calls.append(names)
-        return original(names)
-
-    monkeypatch.setattr(registry, 'missing_towers', counted)
+    ops = graph.get_operations()
+    checks = [op for op in ops if op.name == 'tf1_syncbn_check_towers']
+    assert len(checks) == 1 and checks[0].type == 'Assert'   # one per host, not per layer
+    assert not [op for op in ops if op.type in ('PyFunc', 'EagerPyFunc', 'PyFuncStateless')]
     feed = {x: np.ones((2, 3)) for x in xs}
     with make_session(graph, 2) as sess:
         sess.run(tf1.global_variables_initializer())
-        for _ in range(3):
+        for _ in range(2):
             sess.run(ys, feed)
-        assert len(calls) == 1, 'the passed check ran again: %d checks in 3 runs' % len(calls)
-        # A new synchronized call invalidates the verdict: checked once more, then cached.
         _, ys2 = _two_towers('bn2', xs)
         sess.run(tf1.variables_initializer(tf1.global_variables('bn2')))
-        for _ in range(2):
-            sess.run(ys2, feed)
-        assert len(calls) == 2, calls
+        sess.run(ys2, feed)
+    # Tower 1 never builds bn3 (its TowerContext never exits: no build-time check).
+    with tf.device('/cpu:0'), TowerContext('tower0', index=0, total=2):
+        sync_batch_norm(xs[0], scope='bn3', sync_statistics=CollectiveBackend(timeout=120))
+    assert len([op for op in graph.get_operations()
+                if op.name.startswith('tf1_syncbn_check_towers')]) == 1
+    with make_session(graph, 2) as sess:
+        sess.run(tf1.global_variables_initializer())
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=r'bn3 \(a group of 2 towers: built by tower 0, never by '
+                                 r'tower 1\)'):
+            sess.run(ys, feed)
 
 
-def test_eager_mode_is_a_clear_error():
+def test_eager_mode_and_tf_function_are_clear_errors():
     code = ('import tensorflow as tf, tf1_syncbn\n'
             'try:\n'
             '    tf1_syncbn.sync_batch_norm(tf.ones([2, 3]))\n'
@@ -136,11 +136,31 @@ def test_eager_mode_is_a_clear_error():
             'try:\n'
             '    tf1_syncbn.BatchNorm("bn", tf.ones([2, 3]))\n'
             'except RuntimeError as e:\n'
-            '    print("RuntimeError:", e)\n')
+            '    print("RuntimeError:", e)\n'
+            # tf.function, traced eagerly and in a TF1 graph: TensorFlow-internal errors before.
+            '@tf.function\n'
+            'def traced(x):\n'
+            '    return tf1_syncbn.layers.batch_normalization(x, training=True)\n'
+            'try:\n'
+            '    traced(tf.ones([2, 3]))\n'
+            'except RuntimeError as e:\n'
+            '    print("RuntimeError:", e)\n'
+            'with tf.Graph().as_default():\n'
+            '    @tf.function\n'
+            '    def in_a_graph(x):\n'
+            '        return tf1_syncbn.sync_batch_norm(x)\n'
+            '    try:\n'
+            '        in_a_graph(tf.ones([2, 3]))\n'
+            '    except RuntimeError as e:\n'
+            '        print("RuntimeError:", e)\n')
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                          timeout=120, env={'TF_CPP_MIN_LOG_LEVEL': '3', 'PATH': ''}).stdout
-    assert out.count('disable_eager_execution()') == 2, out
+    assert out.count('disable_eager_execution()') == 4, out
     assert "BatchNorm('bn') needs graph mode" in out
+    assert ("tf1_syncbn.layers.batch_normalization is called inside a tf.function (the traced "
+            "function 'traced')") in out, out
+    assert "sync_batch_norm is called inside a tf.function (the traced function 'in_a_graph')" \
+        in out, out
 
 
 # --- tower name conventions ---------------------------------------------------------

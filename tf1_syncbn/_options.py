@@ -103,13 +103,36 @@ def replaced_layer_is_fused(fused, rank, fused_ranks, unfused_options):
             all(option is None or option is False for option in unfused_options))
 
 
+#: The function graphs of tf.cond / tf.while_loop (control flow v2), where layers may be built.
+_CONTROL_FLOW_GRAPHS = ('CondBranchFuncGraph', 'WhileCondFuncGraph', 'WhileBodyFuncGraph')
+
+
 def check_graph_mode(layer):
-    """Raises ``RuntimeError`` when called eagerly: the layers build TF1 graphs."""
+    """Raises ``RuntimeError`` eagerly or in a ``tf.function``: the layers build TF1 graphs.
+
+    ``tf.cond`` and ``tf.while_loop`` bodies of a TF1 graph are fine; a
+    function traced by ``tf.function`` (or ``tf.compat.v1.wrap_function``),
+    where TensorFlow would fail with internal errors on the layers'
+    variables and Python conditions, is not.
+    """
     if tf.executing_eagerly():
         raise RuntimeError(
             '%s needs graph mode (TF1-style graphs, sessions and UPDATE_OPS), but eager '
             'execution is on. Call tf.compat.v1.disable_eager_execution() at the start of '
             'the program, or build the model inside `with tf.Graph().as_default():`.' % layer)
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        if getattr(graph, 'building_function', False) and \
+                type(graph).__name__ not in _CONTROL_FLOW_GRAPHS:
+            raise RuntimeError(
+                '%s is called inside a tf.function (the traced function %r): the layers build '
+                'TF1-style graphs (variables created once, sessions and UPDATE_OPS), which '
+                'tf.function does not support. Call it outside tf.function: build the model '
+                'in graph mode (tf.compat.v1.disable_eager_execution() at the start of the '
+                'program, or `with tf.Graph().as_default():`) and run it with a '
+                'tf.compat.v1.Session. tf.cond and tf.while_loop inside the graph are fine.'
+                % (layer, getattr(graph, 'name', graph)))
+        graph = getattr(graph, 'outer_graph', None)
 
 
 def check_dict_keys(layer, what, value, allowed):
