@@ -10,6 +10,9 @@
   layers.
 * :func:`audit_graph`: whether every batch norm of a graph is synchronized and
   its moving averages update (also ``python -m tf1_syncbn.audit``).
+* :mod:`tf1_syncbn.export`: an inference graph (frozen ``GraphDef`` or
+  SavedModel, plain TensorFlow ops) from a training graph. Importing the
+  package is enough to load a meta graph the layers built.
 * The layers find their towers in :class:`tower.TowerContext`, tensorpack's
   trainers, ``tower_<i>`` / ``clone_<i>`` name scopes (with ``num_dev``) and
   ``tf.distribute`` strategies (``strategy.run`` in a TF1 graph).
@@ -36,6 +39,8 @@ from tf1_syncbn.distributed import (Cluster, ClusterError, DistributedOptimizer,
                                     WorkerLostError, WorkerSession, all_reduce_gradients,
                                     average_across_workers, broadcast_variables, setup_cluster)
 from tf1_syncbn._audit_rules import audit_graph
+from tf1_syncbn import export
+from tf1_syncbn import kernels as _kernels
 
 __all__ = ['sync_batch_norm', 'BatchNorm', 'BatchRenorm', 'start_finetuning', 'SyncBackend',
            'SyncKey', 'CollectiveBackend', 'NcclBackend', 'HorovodBackend']
@@ -44,6 +49,10 @@ __all__ += ['layers', 'patch_tf_layers']
 __all__ += ['setup_cluster', 'Cluster', 'DistributedOptimizer', 'all_reduce_gradients',
             'average_across_workers', 'broadcast_variables', 'WorkerSession', 'ClusterError',
             'PeerMissingError', 'WorkerLostError']
-__all__ += ['audit_graph']
+__all__ += ['audit_graph', 'export']
+
+# A graph saved with the compiled ops (a meta graph, a GraphDef) loads in a new
+# process once the package is imported: a cached build registers them (no compiler runs).
+_kernels.register_cached()
 
 __version__ = '0.1.0'

@@ -16,7 +16,7 @@ library's names, and calls :func:`batch_norm` with the input. Here, in stages:
 
 import tensorflow as tf
 
-from tf1_syncbn import _normalize, _updates
+from tf1_syncbn import _inference_records, _normalize, _updates
 from tf1_syncbn._group import find_group
 from tf1_syncbn._options import check_batch_weights
 from tf1_syncbn._plan import plan_sync
@@ -93,6 +93,8 @@ def batch_norm(x, layout, options, params, batch_weights=None,
     _updates.share_updates(group, updates, update_moving and training is not False,
                            updates_collections)
     y.set_shape(x.shape)
+    # What tf1_syncbn.export needs to replace this call by an inference op (no op built).
+    _inference_records.record(x, y, layout, options, params)
     return y
 
 
@@ -112,11 +114,15 @@ def _switch(x, layout, options, params, plan, weights, training):
 
     def infer_branch():
         y = _normalize.infer(x, layout, options, params)
-        extra = ()
+        stats = (read(params.moving_mean), read(params.moving_variance),
+                 tf.zeros([], tf.float32))
         if options.renorm:
-            extra = (read(params.renorm.mean), read(params.renorm.stddev))
-        return (y, read(params.moving_mean), read(params.moving_variance),
-                tf.zeros([], tf.float32)) + extra
+            stats += (read(params.renorm.mean), read(params.renorm.stddev))
+        # No variable read as a branch output: TensorFlow's freezing
+        # (convert_variables_to_constants) turns a branch's reads into Identity
+        # ops but keeps the branch outputs naming ReadVariableOp's output, and
+        # the frozen graph then fails to run ("Return ... is not found").
+        return (y,) + tuple(tf.identity(t) for t in stats)
 
     outs = tf.cond(training, train_branch, infer_branch, name='is_training')
     stats = _normalize.BatchStats(outs[1], outs[2], outs[3],

@@ -32,6 +32,10 @@ Without a working C++ compiler (``g++``, or ``$CXX``), or with
 same results, slower; a failed build says why in one warning. GPU towers
 always use the stock (cuDNN) kernels.
 
+``import tf1_syncbn`` loads a cached build (:func:`register_cached`; no
+compiler is run or asked), so that graphs saved with these ops (a meta graph
+for ``import_meta_graph``, a ``GraphDef``) load in a new process.
+
 The library also holds the *step watchdog* (``SyncBnStepWatchdog``), used on
 every device type: it bounds how long a step may wait in its collectives with
 one thread for the whole process, where TensorFlow's own per-op collective
@@ -53,7 +57,8 @@ import warnings
 
 import tensorflow as tf
 
-__all__ = ['load', 'library', 'build', 'enabled', 'use_custom_kernels', 'status', 'cache_path']
+__all__ = ['load', 'library', 'build', 'enabled', 'use_custom_kernels', 'status', 'cache_path',
+           'register_cached']
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'sync_bn_ops.cc')
 _LOCK = threading.Lock()
@@ -340,12 +345,7 @@ def library():
         if not _STATE['tried']:
             _STATE['tried'] = True
             try:
-                module = tf.load_op_library(build())
-                for op_type in _OP_TYPES:
-                    # Statistics and gradient kernels: the engine differentiates the
-                    # step as a whole (tf.custom_gradient); no path goes through them.
-                    tf.no_gradient(op_type)
-                _STATE['module'] = module
+                _load(build())
             except Exception as e:  # noqa: BLE001 - any failure means: use stock kernels
                 _STATE['error'] = e
                 warnings.warn("tf1_syncbn: custom CPU kernels unavailable (%s); using "
@@ -353,6 +353,48 @@ def library():
                               "TensorFlow's per-op collective timeouts (two threads per "
                               "collective while it runs)." % e, RuntimeWarning, stacklevel=2)
         return _STATE['module']
+
+
+def _load(path):
+    """Loads the library at ``path`` (registering its ops) as this process's module."""
+    module = tf.load_op_library(path)
+    for op_type in _OP_TYPES:
+        # Statistics and gradient kernels: the engine differentiates the
+        # step as a whole (tf.custom_gradient); no path goes through them.
+        tf.no_gradient(op_type)
+    _STATE['module'] = module
+    return module
+
+
+def register_cached():
+    """Registers the library's ops when a build for this TensorFlow is cached; compiles nothing.
+
+    ``import tf1_syncbn`` calls it, so that a graph built with the compiled
+    kernels or the step watchdog (a meta graph, a ``GraphDef``) loads in a
+    new process without building a layer first. It neither runs nor probes a
+    compiler: with no cached build (``python -m tf1_syncbn.kernels`` makes
+    one), or with ``TF1_SYNCBN_KERNELS=0``, it does nothing, and a failed
+    load is left for :func:`library` to report.
+
+    Returns:
+      Whether the library is loaded now.
+    """
+    if not _ALLOWED:
+        return False
+    with _LOCK:
+        if _STATE['tried']:
+            return _STATE['module'] is not None
+        candidates, _ = _arch_candidates()
+        for key in _cache_keys(candidates):
+            path = os.path.join(_cache_root(), key, 'sync_bn_ops.so')
+            if os.path.exists(path):
+                try:
+                    _load(path)
+                except Exception:  # noqa: BLE001 - library() retries, and warns
+                    return False
+                _STATE['tried'] = True
+                return True
+    return False
 
 
 def status():
