@@ -44,7 +44,15 @@ follow the step, continues as the uninterrupted run would. When
 ``--out-dir`` holds an earlier run, the job refuses to start (exit status 2)
 unless ``--resume`` (continue it) or ``--overwrite`` (delete its checkpoints,
 history, initial weights and metrics, and start afresh) is given; with both,
-``--resume`` wins. ``history.json`` and ``metrics.json`` are written
+``--resume`` wins. ``--resume`` refuses too (exit status 2, naming the
+folder) when ``--out-dir`` holds no checkpoint, and when the earlier run had
+another global batch or ``--seed`` (``run.json`` records them): the batch of
+every step follows both, so that would not continue the same run. Another
+``--towers``/``--workers`` split of the same global batch is fine, and so is
+a longer ``--steps`` (the learning-rate schedule follows it). Checkpoints
+name their files relative to their folder (``save_relative_paths``): a run
+folder moved or copied elsewhere resumes where it stopped.
+``history.json``, ``metrics.json`` and ``run.json`` are written
 atomically (a temporary file, then ``os.replace``). At the end, the
 chief restores each model into a single-tower inference graph and scores it,
 writes ``metrics.json`` (per-step losses and held-out accuracy of ``sync`` and
@@ -116,18 +124,20 @@ LABELS = {'sync': 'SyncBN', 'per_tower': 'per-tower BN'}
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description='Train a small conv net on sklearn digits on N towers (and W workers), '
-                    'with SyncBN and with per-tower batch norm, and plot both.')
+                    'with SyncBN and with per-tower batch norm, and plot both.',
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument('--towers', type=int, default=4,
                         help='towers per worker (virtual CPUs)')
     parser.add_argument('--batch-per-tower', type=int, default=2,
-                        help='examples per tower and step (default 2)')
+                        help='examples per tower and step')
     parser.add_argument('--steps', type=int, default=900, help='training steps per run')
     parser.add_argument('--backend', choices=('auto', 'collective', 'none'), default='auto',
                         help="sync_statistics of the SyncBN run ('none': no sync, which "
                              "makes both runs the same)")
     parser.add_argument('--out-dir', default='demo_out/',
                         help='checkpoints, metrics.json and the plot go here (on the chief)')
-    parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--seed', type=int, default=0,
+                        help='seed of the weights and of the order of the examples')
     parser.add_argument('--lr', type=float, default=0.05, help='initial learning rate')
     parser.add_argument('--eval-every', type=int, default=50,
                         help='score the held-out set every this many steps')
@@ -135,7 +145,9 @@ def parse_args(argv=None):
                         help='the chief saves a checkpoint every this many steps (0: at the '
                              'end only)')
     parser.add_argument('--resume', action='store_true',
-                        help='continue both runs from the checkpoints in --out-dir')
+                        help='continue both runs from the checkpoints in --out-dir (refused '
+                             'when it holds none, or when its run had another global batch '
+                             'or --seed)')
     parser.add_argument('--overwrite', action='store_true',
                         help='delete an earlier run in --out-dir (checkpoints, history, initial '
                              'weights, metrics) and start afresh; without it or --resume, the '
@@ -146,7 +158,7 @@ def parse_args(argv=None):
                         help='also copy the plot to docs/demo.png (the picture in docs/demo.md)')
     group = parser.add_argument_group('multiple workers')
     group.add_argument('--workers', type=int, default=1,
-                       help='start this many local worker processes (default 1: this process)')
+                       help='start this many local worker processes (1: this process)')
     group.add_argument('--hosts', help='host:port of every worker, comma-separated; with --task '
                                        'run that one worker here')
     group.add_argument('--task', type=int, help="this worker's index in --hosts")
@@ -282,8 +294,9 @@ def build_training_graph(args, sync_statistics, cluster):
             feeds = {k: tf1.placeholder(v.dtype.base_dtype, v.shape)
                      for k, v in trainable.items()}
             set_weights = tf.group(*[v.assign(feeds[k]) for k, v in trainable.items()])
-        # Everything, optimizer slots and the step included, so that a run resumes exactly.
-        saver = tf1.train.Saver(max_to_keep=2)
+        # Everything, optimizer slots and the step included, so that a run resumes
+        # exactly; relative paths, so that a moved or copied run folder resumes too.
+        saver = tf1.train.Saver(max_to_keep=2, save_relative_paths=True)
     return dict(graph=graph, images=images, labels=labels, loss=loss, accuracy=accuracy,
                 train_op=train_op, eval_images=eval_images, eval_labels=eval_labels,
                 eval_loss=eval_loss, eval_predictions=eval_predictions, trainable=trainable,
@@ -317,6 +330,61 @@ def _history_until(history, step):
     for key in out:
         out[key] = history[key][:evals if key.startswith('eval_') else kept]
     return out
+
+
+def run_config(args, workers):
+    """What ``run.json`` records of a run: what the batch of every step depends on."""
+    return {'global_batch': workers * args.towers * args.batch_per_tower, 'workers': workers,
+            'towers': args.towers, 'batch_per_tower': args.batch_per_tower, 'seed': args.seed}
+
+
+def _read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def resume_problem(args):
+    """Why ``--resume`` cannot continue the run in --out-dir, or None.
+
+    It needs a checkpoint of at least one of the runs, and the global batch
+    and seed of the earlier run (``run.json``, or an older run's
+    ``metrics.json``): the batch of every step follows them.
+    """
+    if not args.resume:
+        return None
+    out_dir = os.path.abspath(args.out_dir)
+    runs = [os.path.join(out_dir, run) for run in RUNS]
+    if not any(tf1.train.latest_checkpoint(run_dir) for run_dir in runs):
+        stale = [os.path.join(run_dir, 'checkpoint') for run_dir in runs
+                 if os.path.exists(os.path.join(run_dir, 'checkpoint'))]
+        return ('--resume: %s holds no checkpoint to resume from%s. Run without --resume '
+                'to start afresh, or give the --out-dir of the run to continue.'
+                % (out_dir, ' (%s names checkpoint files that are not there: a run saved by an '
+                             'older version, with absolute paths, then moved)' % stale[0]
+                   if stale else ''))
+    earlier = _read_json(os.path.join(out_dir, 'run.json')) or \
+        _read_json(os.path.join(out_dir, 'metrics.json')) or {}
+    now = run_config(args, _planned_workers(args))
+    changed = [key for key in ('global_batch', 'seed') if key in earlier and
+               earlier[key] != now[key]]
+    if not changed:
+        return None
+    def describe(config):
+        split = [(config.get(k), w) for k, w in (('workers', 'worker'), ('towers', 'tower'),
+                                                 ('batch_per_tower', 'example'))]
+        return 'global batch %s (%s per tower), seed %s' % (
+            config.get('global_batch'), ' x '.join('%s %s%s' % (n, w, '' if n == 1 else 's')
+                                                   for n, w in split if n is not None),
+            config.get('seed'))
+
+    return ('--resume: the run in %s was trained with %s; this job has %s. The examples of '
+            'every step follow the global batch and the seed, so resuming would not continue '
+            'that run. Resume with the same --workers x --towers x --batch-per-tower and '
+            '--seed, or start afresh with --overwrite (or another --out-dir).'
+            % (out_dir, describe(earlier), describe(now)))
 
 
 def _is_run_state(name):
@@ -569,6 +637,8 @@ def run_worker(args, cluster):
             for name in ('metrics.json', 'initial_weights.npz'):
                 if os.path.exists(os.path.join(out_dir, name)):
                     os.remove(os.path.join(out_dir, name))
+        # What a later --resume checks (resume_problem).
+        write_json(os.path.join(out_dir, 'run.json'), run_config(args, cluster.num_workers))
     data = load_data(args.seed)
     global_batch = cluster.num_towers * args.batch_per_tower
     me = cluster.describe(cluster.rank) if cluster.num_workers > 1 else None
@@ -686,6 +756,19 @@ def _tf_config_cluster():
         return True     # malformed: let TensorFlow's resolver say what is wrong
 
 
+def _planned_workers(args):
+    """The number of workers of this job, known before the cluster is set up."""
+    if args.hosts:
+        return len(args.hosts.split(','))
+    try:
+        cluster = json.loads(os.environ.get('TF_CONFIG') or '{}').get('cluster')
+        if not cluster:
+            return args.workers
+        return max(1, len(cluster.get('chief', [])) + len(cluster.get('worker', [])))
+    except (ValueError, TypeError, AttributeError):
+        return args.workers
+
+
 def _will_be_chief(args):
     """Whether this process will be worker 0 (the one that writes into --out-dir)."""
     if args.task is not None:
@@ -708,7 +791,7 @@ def main(argv=None):
     worker_mode = args.task is not None or _tf_config_cluster()
     # Before anything starts: never delete an earlier run's checkpoints
     # because --resume was forgotten.
-    message = refusal(args) if _will_be_chief(args) else None
+    message = (refusal(args) or resume_problem(args)) if _will_be_chief(args) else None
     if message:
         sys.stderr.write('%s: error: %s\n' % (os.path.basename(__file__), message))
         sys.stderr.flush()
