@@ -28,6 +28,22 @@ def small_net(images, bn, bn_params=None):
                                 scope='logits')
 
 
+def siamese_net(images, bn, bn_params=None):
+    """One batch-norm layer applied to two views of the batch (a Siamese network).
+
+    The layer is called twice in one step, its variables reused; each call
+    updates the moving statistics once, as on one device.
+    """
+    params = dict(bn_params or {})
+    views = [images, tf.image.flip_left_right(images)]
+    features = []
+    for k, view in enumerate(views):
+        net = slim.conv2d(view, 8, [3, 3], activation_fn=None, scope='conv', reuse=k > 0)
+        features.append(tf.reduce_mean(bn(net, scope='bn', reuse=k > 0, **params), [1, 2]))
+    return slim.fully_connected(tf.concat(features, 1), CLASSES, activation_fn=None,
+                                scope='logits')
+
+
 def _loss(logits, labels):
     return tf1.losses.sparse_softmax_cross_entropy(labels, logits, loss_collection=None)
 

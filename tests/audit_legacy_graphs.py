@@ -68,6 +68,20 @@ def keras_single(wired):
     return graph, train_op
 
 
+def keras_siamese():
+    """One Keras layer object applied to two inputs, its updates (two per variable) wired."""
+    graph = tf.Graph()
+    with graph.as_default():
+        images = tf1.placeholder(tf.float32, (None,) + audit_cases.SHAPE)
+        layer = tf.keras.layers.BatchNormalization(name='bn')
+        features = slim.conv2d(images, 8, [3, 3], scope='conv1')
+        y = layer(features, training=True) * layer(features * 2.0, training=True)
+        loss = tf.reduce_mean(tf.square(y))
+        with tf.control_dependencies(layer.updates):
+            train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    return graph, train_op
+
+
 def _towers_on_virtual_cpus():
     """tensorpack's trainers put tower k on '/gpu:k': on '/cpu:k' here (no GPU)."""
     from tensorpack_devices import towers_on_virtual_cpus  # noqa: PLC0415
@@ -133,6 +147,11 @@ CASES = {
         lambda x: tf1.layers.batch_normalization(x, training=True)),
     'tf_layers_mirrored_strategy': lambda: audit_cases.mirrored_strategy(
         lambda x: tf1.layers.batch_normalization(x, training=True, name='bn')),
+    'slim_siamese_single_tower': lambda: audit_cases.single_tower(
+        slim.batch_norm, net=audit_cases.siamese_net),
+    'slim_siamese_tower_all': lambda: audit_cases.classic_towers(
+        slim.batch_norm, keep='all', net=audit_cases.siamese_net),
+    'keras_siamese_single_tower': keras_siamese,
     'keras_single_tower_unwired': lambda: keras_single(wired=False),
     'keras_single_tower_wired': lambda: keras_single(wired=True),
     'resnet_sync_arg_scope': lambda: audit_cases.tower_contexts(None, net=resnet(False)),

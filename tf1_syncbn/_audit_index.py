@@ -84,9 +84,12 @@ class Node(object):
       context: the :class:`_Call` whose body holds it, or None (root graph).
       inputs: data input strings, as the graph or function body spells them.
       control_inputs: names of the control inputs (without ``^``).
+      branch: for an op of a v1 ``tf.cond`` branch (TF1 behaviour), ``(the
+        branch's Switch or pivot, True/False)``; else None.
     """
 
-    __slots__ = ('key', 'name', 'op', 'attr', 'context', 'inputs', 'control_inputs', 'device')
+    __slots__ = ('key', 'name', 'op', 'attr', 'context', 'inputs', 'control_inputs', 'device',
+                 'branch')
 
     def __init__(self, context, node_def, prefix):
         self.context = context
@@ -97,6 +100,7 @@ class Node(object):
         self.device = node_def.device
         self.inputs = [i for i in node_def.input if not i.startswith('^')]
         self.control_inputs = [i[1:] for i in node_def.input if i.startswith('^')]
+        self.branch = None
 
     def get_attr(self, name):
         """The attribute ``name`` (an ``AttrValue``), or None; never adds one to the proto."""
@@ -104,6 +108,62 @@ class Node(object):
 
     def __repr__(self):
         return 'Node(%s, %s)' % (self.name, self.op)
+
+
+def _name_v1_branches_as_v2(root):
+    """Names the ops of v1 ``tf.cond`` branches as their v2 counterparts are named.
+
+    In TF1 behaviour a ``tf.cond`` builds its branches in the root graph under
+    the cond's name scope (``BatchNorm/cond/FusedBatchNormV3``, between
+    ``Switch`` and ``Merge`` ops); in TF2 behaviour, in function bodies that
+    the index names with the ``If`` op's scope (``BatchNorm/FusedBatchNormV3``).
+    The cond's own scope component is dropped from :attr:`Node.name` here
+    (recognized by the ``pred_id`` and ``switch_t`` ops every v1 cond builds),
+    so that a layer's ops have one scope in both behaviours. Lookups by the
+    names in the graph are unchanged.
+    """
+    conds = {parent_scope(name) for name in root
+             if name.endswith('/pred_id') and parent_scope(name) + '/switch_t' in root}
+    if not conds:
+        return
+    for node in root.values():
+        parts, prefix, kept = node.name.split('/'), '', []
+        for part in parts[:-1]:
+            prefix = prefix + '/' + part if prefix else part
+            if prefix not in conds:
+                kept.append(part)
+        if len(kept) < len(parts) - 1:
+            node.branch = _v1_branch(node, root, {})
+        node.name = '/'.join(kept + parts[-1:])
+
+
+def _v1_branch(node, root, memo, depth=0):
+    """``(cond scope, True/False)``: the branch of a v1 cond that ``node`` runs in, or None.
+
+    Ops of the true branch take their data from ``Switch`` outputs ``:1`` or
+    hang off the ``switch_t`` pivot (constants); the false branch's from
+    ``:0`` and ``switch_f``.
+    """
+    if node.key in memo:
+        return memo[node.key]
+    memo[node.key] = None
+    found = None
+    last = node.name.rsplit('/', 1)[-1]
+    if node.op == 'Identity' and last in ('switch_t', 'switch_f'):
+        found = (parent_scope(node.name), last == 'switch_t')
+    elif depth < 64:
+        for name in node.inputs + node.control_inputs:
+            producer = root.get(name.split(':', 1)[0])
+            if producer is None or producer.op == 'Merge':
+                continue
+            if producer.op in ('Switch', 'RefSwitch'):
+                found = (producer.name, name.endswith(':1'))
+            else:
+                found = _v1_branch(producer, root, memo, depth + 1)
+            if found is not None:
+                break
+    memo[node.key] = found
+    return found
 
 
 class _Call(object):
@@ -134,6 +194,7 @@ class GraphIndex(object):
             node = Node(None, node_def, '')
             self._root[node_def.name] = node
             self.nodes.append(node)
+        _name_v1_branches_as_v2(self._root)
         for node in list(self.nodes):
             self._expand(node, 0)
 

@@ -40,7 +40,7 @@ _GRADIENTS = re.compile(r'gradients(_[0-9]+)?')
 _SAVER = re.compile(r'save(_[0-9]+)?')
 _TRAINING_KINDS = frozenset(['library', 'fused', 'moments'])
 #: Ops between a layer's statistics and its variables (reads, casts, the update's arithmetic).
-_STATISTIC_PATH = frozenset(['Identity', 'ReadVariableOp', 'Cast', 'Enter', 'Switch', 'AddV2',
+_STATISTIC_PATH = frozenset(['Identity', 'Snapshot', 'ReadVariableOp', 'Cast', 'Enter', 'Switch', 'AddV2',
                              'Add', 'Sub', 'Mul', 'StopGradient', 'Squeeze', 'Reshape',
                              'SelectV2', 'Select'])
 
@@ -91,9 +91,10 @@ class Instance(object):
 
     @property
     def inference(self):
-        """Whether the root graph or a function body holds only inference anchors of it."""
-        training_contexts = {id(n.context) for n, k in self.anchors if k in _TRAINING_KINDS}
-        return any(k == 'infer' and id(n.context) not in training_contexts
+        """Whether a graph, function body or v1 cond branch holds only inference anchors of it."""
+        training_contexts = {(id(n.context), n.branch) for n, k in self.anchors
+                             if k in _TRAINING_KINDS}
+        return any(k == 'infer' and (id(n.context), n.branch) not in training_contexts
                    for n, k in self.anchors)
 
     def reached(self, reached):
@@ -148,13 +149,27 @@ def _instances(index, patterns, variables):
     for scope, instance in list(instances.items()):
         key = strip_towers(scope, patterns)
         if key not in layer_keys:
-            key = _linked_key(index, instance, variables) or (
+            key = _linked_key(index, instance, variables) or _reused_key(key, layer_keys) or (
                 key if 'library' in instance.kinds else None)
         if key is None:
             del instances[scope]        # not batch norm (layer norm's fused kernel, say)
         else:
             instance.key = key
     return instances
+
+
+_CALL_SUFFIX = re.compile(r'(.+)_[0-9]+')
+
+
+def _reused_key(key, layer_keys):
+    """The layer that a further call of a reused layer belongs to, or None.
+
+    A layer called again in its variable scope (``reuse=True``, a Keras or
+    tf.layers layer object applied to a second input) gets the name scope
+    ``<scope>_<n>`` for its ops, while its variables stay under ``<scope>``.
+    """
+    match = _CALL_SUFFIX.fullmatch(key)
+    return match.group(1) if match is not None and match.group(1) in layer_keys else None
 
 
 def _statistic_inputs(node):
@@ -250,7 +265,8 @@ def _backward_owner(node, keys, patterns):
     for i in range(len(parts)):
         for j in range(len(parts), i, -1):
             candidate = '/'.join(parts[i:j])
-            if candidate in keys and (best is None or len(candidate) > len(best)):
+            candidate = candidate if candidate in keys else _reused_key(candidate, keys)
+            if candidate is not None and (best is None or len(candidate) > len(best)):
                 best = candidate
                 break
     return best

@@ -23,7 +23,7 @@ import re
 import tensorflow as tf
 
 from tf1_syncbn import audit_report as report_lib
-from tf1_syncbn._audit_index import GraphIndex, parent_scope
+from tf1_syncbn._audit_index import GraphIndex, parent_scope, tower_of
 from tf1_syncbn._audit_layers import collective_group, find_layers
 from tower import harness
 
@@ -95,20 +95,20 @@ def _unique(labels):
     return tuple(sorted(set(labels), key=report_lib.tower_sort_key))
 
 
-def _update_status(key, training, variables, updates, reached, index):
-    """``(status, update op names, problems)`` of a layer's moving-average updates."""
+def _update_status(key, training, variables, updates, reached, index, patterns):
+    """``(status, update op names, problems, notes)`` of a layer's moving-average updates."""
     own = [(node, stat) for k, stat, node in variables.values() if k == key]
     built = [u for node, _ in own for u in updates.get(node.key, [])]
     if not training:
-        return report_lib.UPDATES_INFERENCE, (), []
+        return report_lib.UPDATES_INFERENCE, (), [], []
     if not built:
-        return report_lib.UPDATES_NONE, (), []
+        return report_lib.UPDATES_NONE, (), [], []
     names = tuple(sorted(u.name for u in built))
     if reached is None:
-        return report_lib.UPDATES_NOT_CHECKED, names, []
+        return report_lib.UPDATES_NOT_CHECKED, names, [], []
     if not any(i.reached(reached) for i in training):
-        return report_lib.UPDATES_OUTSIDE, names, []
-    problems = []
+        return report_lib.UPDATES_OUTSIDE, names, [], []
+    problems, notes = [], []
     run = [u for u in built if u.key in reached]
     stats = sorted({stat for _, stat in own})
     missing = [s for s in stats if not any(u.key in reached for node, stat in own if stat == s
@@ -120,21 +120,34 @@ def _update_status(key, training, variables, updates, reached, index):
             % (key, _some(names), ' and '.join(missing), _UPDATE_FIX))
     for node, stat in own:
         twice = sorted(u.name for u in updates.get(node.key, []) if u.key in reached)
-        if len(twice) > 1:
+        if len(twice) < 2:
+            continue
+        towers = _unique(tower_of(name, patterns) or '' for name in twice)
+        if len(towers) > 1:
             problems.append(
-                '%s: %s (%s) is assigned by %d update ops in one step (%s), so it moves %d '
-                'times per step. Run one tower\'s update ops (tf.compat.v1.get_collection('
-                'UPDATE_OPS, <one tower\'s scope>)), or use tf1_syncbn\'s layers, which build '
-                'the updates once and share them with every tower.'
-                % (key, stat, node.name, len(twice), _some(twice), len(twice)))
+                '%s: %s (%s) is assigned by update ops of %d towers (%s) in one step (%s), so '
+                'it moves once per tower per step. Run one tower\'s update ops '
+                '(tf.compat.v1.get_collection(UPDATE_OPS, <one tower\'s scope>)), or use '
+                'tf1_syncbn\'s layers, which build the updates once and share them with every '
+                'tower.' % (key, stat, node.name, len(towers), report_lib.format_towers(towers),
+                            _some(twice)))
+        elif stat == stats[0]:
+            notes.append(
+                '%s: applied to %d inputs in one step (%s), each call updating the moving '
+                'statistics, so they move %d times per step, as the layer does on one device '
+                '(a Siamese network, two views, micro-batches). Each call normalizes with its '
+                'input\'s own statistics (over every tower when synchronized).'
+                % (key, len(twice), _some(sorted(i.scope for i in training
+                                                 if i.tower == (towers[0] if towers else ''))),
+                   len(twice)))
     if missing:
-        return report_lib.UPDATES_NOT_RUN, names, problems
+        return report_lib.UPDATES_NOT_RUN, names, problems, notes
     scopes = {i.scope for i in training}
     inside = any(consumer.op in ('Identity', 'IdentityN') and
                  parent_scope(consumer.name) in scopes
                  for u in run for consumer, control in index.consumers(u) if control)
     return (report_lib.UPDATES_IN_LAYER if inside else report_lib.UPDATES_RUN,
-            tuple(sorted(u.name for u in run)), problems)
+            tuple(sorted(u.name for u in run)), problems, notes)
 
 
 def _some(names, shown=3):
@@ -198,8 +211,8 @@ def _layer(key, group, found):
     backends = {b for b, _ in described}
     sizes = sorted({s for _, s in described if s})
     collectives = forward + found['backward'].get(key, [])
-    status, update_ops, update_problems = _update_status(
-        key, training, found['variables'], found['updates'], reached, index)
+    status, update_ops, update_problems, update_notes = _update_status(
+        key, training, found['variables'], found['updates'], reached, index, found['patterns'])
     mode = ('infer' if not training else
             'train+infer' if any(i.inference for i in group) else 'train')
     layer = report_lib.LayerAudit(
@@ -214,6 +227,7 @@ def _layer(key, group, found):
                                       if k == key)))
     layer.problems = _sync_problems(key, computation, training_towers, synced_towers, sizes,
                                     backends) + update_problems
+    layer.notes = update_notes
     return layer
 
 
@@ -223,6 +237,7 @@ def _notes(layers, by_key, reached):
                        if i.training and i.reached(reached)}
     notes = []
     for layer in layers:
+        notes.extend(layer.notes)
         frozen = _unique(i.tower for i in by_key[layer.name]
                          if not i.training and i.tower in training_towers and
                          i.reached(reached))
@@ -280,7 +295,8 @@ def audit_graph(graph, train_op=None, tower_patterns=None):
                              '(train_op.name).' % name)
         roots.append(node)
     found = find_layers(index, patterns)
-    found.update(index=index, reached=index.reachable(roots) if roots else None)
+    found.update(index=index, reached=index.reachable(roots) if roots else None,
+                 patterns=patterns)
     by_key, reached = found['layers'], found['reached']
     layers = [_layer(key, by_key[key], found) for key in sorted(by_key)]
     problems = [p for layer in layers for p in layer.problems]

@@ -52,6 +52,8 @@ class LayerAudit(object):
         one was given and some are).
       moving_variables: the names of its moving-statistic variables.
       problems: this layer's entries of :attr:`AuditReport.problems`.
+      notes: this layer's entries of :attr:`AuditReport.info` (for example, a
+        layer applied to several inputs in one step).
     """
 
     def __init__(self, name, **fields):
@@ -69,6 +71,7 @@ class LayerAudit(object):
         self.update_ops = fields.pop('update_ops', ())
         self.moving_variables = fields.pop('moving_variables', ())
         self.problems = fields.pop('problems', [])
+        self.notes = fields.pop('notes', [])
         if fields:
             raise TypeError('LayerAudit: unknown fields %s.' % ', '.join(sorted(fields)))
 
