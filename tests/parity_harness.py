@@ -146,7 +146,14 @@ def train_case(apply, case, index, sizes):
         variables = tf1.trainable_variables()
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                  for g in tf.gradients(loss, xs + variables)]   # (through tf.gather: sparse)
-        with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+        # The step applies SGD after every fetched output and gradient is computed:
+        # in TF1 behaviour (reference variables) a read aliases the variable, and
+        # the replaced layers' non-fused paths (tf-slim's, tf.layers') read gamma
+        # again in their backward pass, so an update of gamma running first would
+        # change their input gradient (this library copies its reads:
+        # test_read_races.py).
+        with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS) +
+                                     [tf.group(ys + grads)]):
             if variables:
                 train = tf1.train.GradientDescentOptimizer(
                     case.get('learning_rate', LEARNING_RATE)).apply_gradients(
