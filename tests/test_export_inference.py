@@ -243,6 +243,77 @@ def test_a_tensor_is_training_graph_frozen_by_tensorflow_runs_without_the_librar
                                    rtol=1e-5, atol=1e-5, err_msg='is_training=%s' % mode)
 
 
+# --- What the exporter refuses, and how it says so (in this process). ----------------------
+
+
+def _one_layer_graph(graph, in_cond=False):
+    import tensorflow as tf
+
+    import tf1_syncbn
+    tf1 = tf.compat.v1
+    x = tf1.placeholder(tf.float32, [None, 3], name='x')
+    is_training = tf1.placeholder(tf.bool, [], name='is_training')
+    if in_cond:
+        def slow_identity():   # x, after a while: an ungated replacement would arrive first
+            big = tf.tile(tf.reshape(x[0, 0], [1, 1]), [600, 600])
+            return x + 0.0 * tf.reduce_sum(tf.matmul(big, big))
+
+        y = tf.cond(is_training, lambda: tf1_syncbn.sync_batch_norm(x, is_training=True),
+                    slow_identity)
+    else:
+        y = tf1_syncbn.sync_batch_norm(x, is_training=is_training)
+        # A user's op on is_training (as dropout would be): the export needs its value.
+        y = tf.where(is_training, y * 2.0, y)
+    return x, is_training, y
+
+
+def test_a_placeholder_the_outputs_need_must_be_an_input_or_a_constant(graph):
+    import tensorflow as tf
+
+    from tf1_syncbn import export
+    x, is_training, y = _one_layer_graph(graph)
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        with pytest.raises(ValueError, match=r'need the placeholders model/is_training .*'
+                                             r'constants \(for example \{is_training: False'):
+            export.inference_graph_def(sess, {'x': x}, {'y': y})
+        graph_def = export.inference_graph_def(sess, {'x': x}, {'y': y}, {is_training: False})
+    assert 'FusedBatchNormV3' in {node.op for node in graph_def.node}
+    for bad, match in (({'x': x}, 'both in inputs and outputs'),
+                       ({'model': x}, "not a usable op name"),
+                       ({'x': 'nothing:0'}, "names 'nothing:0', which is no tensor")):
+        with tf.compat.v1.Session() as sess, pytest.raises(ValueError, match=match):
+            export.inference_graph_def(sess, bad, {'x': y})
+
+
+def test_a_layer_inside_a_cond_function_body_is_named_not_exported_in_training_mode(graph):
+    """Control flow v2 builds the layer in a function, which the exporter cannot rewire."""
+    import tensorflow as tf
+
+    import tf_behavior
+    from tf1_syncbn import export
+    x, is_training, y = _one_layer_graph(graph, in_cond=True)
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        if tf_behavior.is_v1():
+            # Switch/Merge: the layer is in the graph and replaced; its inference op
+            # runs only when its branch is taken (moving statistics 0 and 1 here).
+            data = np.arange(6, dtype=np.float32).reshape(2, 3)
+            for taken, expected in ((True, data / np.sqrt(1.0 + 1e-3)), (False, data)):
+                graph_def = export.inference_graph_def(sess, {'x': x}, {'y': y},
+                                                       {is_training: taken})
+                assert 'FusedBatchNormV3' in {node.op for node in graph_def.node}
+                with tf.Graph().as_default() as served:
+                    tf.import_graph_def(graph_def, name='')
+                    with tf.compat.v1.Session(graph=served) as serving:
+                        np.testing.assert_allclose(serving.run('y:0', {'x:0': data}), expected,
+                                                   rtol=1e-6, err_msg=str(taken))
+            return
+        with pytest.raises(ValueError, match=r'layers built inside a tf.cond or tf.while_loop '
+                                             r'function body.*sync_batch_norm\(BatchNorm\)'):
+            export.inference_graph_def(sess, {'x': x}, {'y': y}, {is_training: True})
+
+
 if __name__ == '__main__':
     sys.path.insert(0, HERE)
     sys.path.insert(1, ROOT)

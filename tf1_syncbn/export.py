@@ -130,10 +130,11 @@ def inference_graph_def(session, inputs, outputs, constants=None):
                      for i, (key, t) in enumerate(sorted(outputs.items()))}
     rewired = _rewire(work.as_graph_def(), twins)
     needed = _extract(rewired, list(names.values()))
+    _check_layers(needed, records)
     frozen = tf1.graph_util.convert_variables_to_constants(session, needed,
                                                            list(names.values()))
     placeholders = {key: input_map[inputs[key].name].op.name for key in inputs}
-    return _finish(frozen, placeholders, names, inputs, records)
+    return _finish(frozen, placeholders, names, inputs)
 
 
 def export_saved_model(session, export_dir, inputs, outputs, constants=None):
@@ -230,11 +231,16 @@ def _parameter_ops(records):
 
 
 def _extract(graph_def, names):
-    """The part of ``graph_def`` that ``names`` need; unused functions dropped, no devices."""
+    """The part of ``graph_def`` that ``names`` need; unused functions dropped.
+
+    Without placement: no device, and no colocation (``_class``), which would
+    keep nodes the outputs do not need (an input that became a placeholder).
+    """
+    for node in graph_def.node:
+        node.device = ''
+        node.attr.pop('_class', None)
     present = {node.name for node in graph_def.node}
     out = tf1.graph_util.extract_sub_graph(graph_def, [n for n in names if n in present])
-    for node in out.node:
-        node.device = ''
     return _prune_library(out)
 
 
@@ -285,11 +291,16 @@ def _build_twins(graph, records, input_map):
     present = {op.name for op in graph.get_operations()}
     twins = {}
     for record in records:
-        if record['in_function'] or record['output'].rsplit(':', 1)[0] not in present:
+        if record['in_function'] or record.get('in_loop') or \
+                record['output'].rsplit(':', 1)[0] not in present:
             continue
         name = record['input']
         x = twins[name] if name in twins else input_map[name] if name in input_map else \
             _tensor(graph, name, 'the record of %s' % record['layer'])
+        if record.get('pivot'):
+            # In a v1 tf.cond branch: alive only when the branch is taken, as the layer was.
+            with tf.control_dependencies([graph.get_tensor_by_name(record['pivot']).op]):
+                x = tf.identity(x)
         channels = record['channels']
         scope = record['output'].rsplit(':', 1)[0].rsplit('/', 1)[0]
         with tf1.name_scope('%s/%s/' % (_SCOPE, scope) if scope else '%s/' % _SCOPE):
@@ -328,7 +339,7 @@ def _input_name(tensor):
     return op if index == '0' else tensor.name
 
 
-def _finish(frozen, placeholders, names, inputs, records):
+def _finish(frozen, placeholders, names, inputs):
     """Names the inputs and outputs by their keys, checks the ops and strips placement."""
     graph = tf.Graph()
     with graph.as_default():
@@ -344,27 +355,38 @@ def _finish(frozen, placeholders, names, inputs, records):
                 raise ValueError('tf1_syncbn.export: outputs key %r clashes with another name '
                                  'of the exported graph; choose another.' % key)
     graph_def = _extract(graph.as_graph_def(), sorted(names) + sorted(new))
-    for node in graph_def.node:
-        node.attr.pop('_class', None)
-    _check(graph_def, set(new), records)
+    _check(graph_def, set(new))
     return graph_def
 
 
-def _check(graph_def, placeholders, records):
+def _check_layers(graph_def, records):
+    """Raises when the outputs need a layer inside a function body (not replaced).
+
+    Call it before freezing, which renames the functions it rewrites.
+    """
+    functions = {f.signature.name for f in graph_def.library.function}
+    nodes = {node.name for node in graph_def.node}
+    kept = sorted({r['layer'] for r in records if r.get('function') in functions or
+                   (r.get('in_loop') and r['output'].rsplit(':', 1)[0] in nodes)})
+    if kept:
+        raise ValueError(
+            'tf1_syncbn.export: the outputs need layers built inside a tf.cond or '
+            'tf.while_loop function body, or inside a while loop, which the exporter cannot '
+            'replace by their inference op: %s. Build them outside it, or build the inference '
+            'model with is_training=False.' % ', '.join(kept[:5]))
+
+
+def _check(graph_def, placeholders):
     """Raises when the graph holds ops that need this library, or an unfed placeholder."""
     nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
     bad = sorted({'%s (%s)' % (n.name, n.op) for n in nodes
                   if n.op.startswith(FORBIDDEN_OP_PREFIXES)})
     if bad:
-        inside = [r['layer'] for r in records if r['in_function']]
         raise ValueError(
             'tf1_syncbn.export: the outputs still need ops that only this library or this '
-            'process can run: %s%s. %s' % (
-                ', '.join(bad[:5]), ' and %d more' % (len(bad) - 5) if len(bad) > 5 else '',
-                'These layers were built inside a tf.cond or tf.while_loop function body, '
-                'which the exporter cannot rewire: %s; build them outside it, or build the '
-                'inference model with is_training=False.' % ', '.join(inside[:5])
-                if inside else 'Export outputs that do not depend on them.'))
+            'process can run: %s%s. Export outputs that do not depend on them (a py_func of '
+            'your own cannot be exported).' % (
+                ', '.join(bad[:5]), ' and %d more' % (len(bad) - 5) if len(bad) > 5 else ''))
     unfed = sorted(n.name for n in graph_def.node
                    if n.op in ('Placeholder', 'PlaceholderV2') and n.name not in placeholders)
     if unfed:
