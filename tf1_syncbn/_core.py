@@ -124,7 +124,8 @@ def _switch(x, layout, options, params, plan, weights, training):
         # the frozen graph then fails to run ("Return ... is not found").
         return (y,) + tuple(tf.identity(t) for t in stats)
 
-    outs = tf.cond(training, train_branch, infer_branch, name='is_training')
+    # Named as slim's and tf.layers' tf.cond (its ops show in TF1 behaviour's graphs).
+    outs = tf.cond(training, train_branch, infer_branch, name='cond')
     stats = _normalize.BatchStats(outs[1], outs[2], outs[3],
                                   tuple(outs[4:6]) if options.renorm else None, bessel[0])
     return outs[0], stats
