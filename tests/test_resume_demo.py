@@ -1,7 +1,8 @@
 """The demo's runs move and resume: relative checkpoint paths, and --resume that refuses clearly.
 
 Run as a user runs it (``python examples/train_multitower.py ...``, fresh
-processes). Before: the ``checkpoint`` file stored absolute paths, so a run
+processes; the refusals, which happen before anything is built, through the
+script's ``main``). Before: the ``checkpoint`` file stored absolute paths, so a run
 folder moved elsewhere restarted from step 0 with only a logged TensorFlow
 error; ``--resume`` on a folder without checkpoints started afresh without a
 word; and ``--resume`` with another number of towers changed the global
@@ -62,31 +63,40 @@ def test_a_moved_run_folder_resumes_where_it_stopped(moved_run):
     assert len(metrics['runs']['sync']['loss']) == 6     # 4 restored from history.json + 2
 
 
-def test_resume_without_a_checkpoint_fails_naming_the_folder(tmp_path):
+def _demo_module():
+    sys.path.insert(0, os.path.dirname(DEMO))
+    try:
+        import train_multitower
+    finally:
+        sys.path.pop(0)
+    return train_multitower
+
+
+# The refusals come from the script's main() before anything is built, so these
+# call it here (as `python train_multitower.py ...` does) instead of paying for
+# another TensorFlow process each.
+
+def test_resume_without_a_checkpoint_fails_naming_the_folder(tmp_path, capsys):
     empty = str(tmp_path / 'nothing here')
-    run = _demo('--steps', '4', '--out-dir', empty, '--resume')
-    assert run.returncode == 2, (run.stdout[-2000:], run.stderr[-2000:])
-    assert '--resume: %s holds no checkpoint to resume from' % empty in run.stderr, run.stderr
+    assert _demo_module().main(COMMON + ['--steps', '4', '--out-dir', empty, '--resume']) == 2
+    err = capsys.readouterr().err
+    assert '--resume: %s holds no checkpoint to resume from' % empty in err, err
     assert not os.path.exists(os.path.join(empty, 'sync'))     # nothing was started
 
 
-def test_resume_with_another_global_batch_refuses_and_says_what_changes(moved_run):
-    run = _demo('--steps', '6', '--out-dir', moved_run, '--resume', '--towers', '2')
-    assert run.returncode == 2, (run.stdout[-2000:], run.stderr[-2000:])
+def test_resume_with_another_global_batch_refuses_and_says_what_changes(moved_run, capsys):
+    assert _demo_module().main(COMMON + ['--steps', '6', '--out-dir', moved_run, '--resume',
+                                         '--towers', '2']) == 2
+    out = capsys.readouterr()
     assert ('was trained with global batch 8 (1 worker x 4 towers x 2 examples per tower), '
             'seed 0; this job has global batch 4 (1 worker x 2 towers x 2 examples per tower)'
-            in run.stderr), run.stderr
-    assert 'resumed' not in run.stdout
+            in out.err), out.err
+    assert 'resumed' not in out.out
 
 
 def test_help_shows_every_default(capsys):
-    sys.path.insert(0, os.path.dirname(DEMO))
-    try:
-        import train_multitower as demo
-    finally:
-        sys.path.pop(0)
     with pytest.raises(SystemExit):
-        demo.parse_args(['--help'])
+        _demo_module().parse_args(['--help'])
     text = ' '.join(capsys.readouterr().out.split())
     defaults = (('--towers', 4), ('--batch-per-tower', 2), ('--steps', 900),
                 ('--backend', 'auto'), ('--out-dir', 'demo_out/'), ('--seed', 0), ('--lr', 0.05),
