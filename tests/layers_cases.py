@@ -34,9 +34,13 @@ SHAPES = {  # (rank, channels first) -> the global batch's shape, 3 channels
 BASE = {'momentum': 0.8}
 
 
-def _case(name, rank=4, first=False, axis=None, **options):
-    """A case; ``axis`` is spelled as given (default: 1 or -1 by ``first``)."""
-    shape = list(SHAPES[(rank, first)])
+def _case(name, rank=4, first=False, axis=None, shape=None, **options):
+    """A case; ``axis`` is spelled as given (default: 1 or -1 by ``first``).
+
+    ``shape``: the global batch's shape, where :data:`SHAPES` has none that
+    fits (the middle axes and lists of axes).
+    """
+    shape = list(shape or SHAPES[(rank, first)])
     if options.pop('channels', None):
         shape[1 if first else -1] = 4
     kwargs = dict(BASE, axis=axis if axis is not None else (1 if first else -1))
@@ -109,6 +113,33 @@ PARITY_CASES = [
     _case('mean1e4-rank3-axis1', 3, True, loc=1e4, scale=1.0, learning_rate=0.0),
     # A partitioned scope: gamma and beta partitioned, the statistics not.
     _case('partitioned-rank4', 4, channels=True, partitions=2),
+    # Every other axis form tf.layers takes (test4DInputAxis2, test3DInputMultiAxis12,
+    # test5DInputMultiAxis123, testGhostBN5DimsMultiAxis14): a middle axis or
+    # several axes, which tf.layers always normalizes without its fused
+    # kernel (biased variance), with variables of shape [C] for one axis and
+    # the input's shape with 1 elsewhere for several. Here the core
+    # normalizes a view (tf1_syncbn._axes): a middle axis folded into a free
+    # reshape [N*P, C, Q, 1]; contiguous axes at the start [N, C, S, 1] or
+    # end [N, S, 1, C]; axes apart transposed to [N, ..., axes].
+    _case('rank4-axis2-middle', axis=2, shape=[8, 2, 3, 2]),
+    _case('rank5-axis-3-middle-training_tensor', axis=-3, shape=[8, 2, 3, 1, 2],
+          training_tensor=True),
+    _case('rank3-axis[1,2]', axis=[1, 2], shape=[8, 2, 3]),
+    _case('rank5-axis[1,2,3]-float16', axis=[1, 2, 3], shape=[8, 2, 3, 1, 2], dtype='float16'),
+    _case('rank4-axis[2,-1]-object', axis=[2, -1], shape=[8, 2, 3, 2], object=True),
+    _case('rank4-axis[3,1]-apart', axis=[3, 1], shape=[8, 2, 3, 2]),
+    _case('rank4-axis2-fused=True-mean1e4', axis=2, shape=[8, 2, 3, 2], loc=1e4, scale=1.0,
+          learning_rate=0.0, kwargs={'fused': True}),
+    # The separate-ops path (fused=False, renorm, adjustment) on a view.
+    _case('fused=False-rank4-axis2', axis=2, shape=[8, 2, 3, 2], kwargs={'fused': False}),
+    _case('renorm-rank4-axis[1,3]-training_tensor', axis=[1, 3], shape=[8, 2, 3, 2],
+          training_tensor=True, kwargs={'renorm': True, 'renorm_momentum': 0.7,
+                                         'renorm_clipping': {'rmax': 1.5, 'rmin': 0.8}}),
+    _case('adjustment-rank5-axis2', axis=2, shape=[8, 2, 3, 1, 2], adjustment=True),
+    # Ghost batches on a view that keeps the batch alone on axis 0 (a transpose):
+    # every tower of equal size (see test_layers_virtual_batch.py for more).
+    _case('virtual_batch-rank5-axis[1,4]', axis=[1, 4], shape=[8, 2, 1, 2, 3],
+          sizes=[4, 4], kwargs={'virtual_batch_size': 4}),
 ]
 assert len({c['name'] for c in PARITY_CASES}) == len(PARITY_CASES)
 
@@ -117,9 +148,19 @@ def adjustment_for(case):
     """A deterministic adjustment (testAdjustment's random one would differ between sides).
 
     Per channel, in the shape that broadcasts against the input (``[C]`` for
-    the last axis, ``[1, C, 1, ...]`` for axis 1, as tf.layers needs it).
+    the last axis, ``[1, C, 1, ...]`` for axis 1, as tf.layers needs it; the
+    input's shape with 1 in every other axis for other axes).
     """
     rank = len(case['shape'])
+    axis = case['kwargs']['axis']
+    axes = sorted(a % rank for a in (axis if isinstance(axis, list) else [axis]))
+    if len(axes) > 1 or axes[0] not in (1, rank - 1):
+        shape = [case['shape'][i] if i in axes else 1 for i in range(rank)]
+
+        def adjustment_for_axes(_):
+            index = tf.reshape(tf.range(float(np.prod(shape))), shape)
+            return 1.0 + 0.25 * index, 0.1 * index - 0.1
+        return adjustment_for_axes
     first = case['kwargs']['axis'] in (1, [1], -4, -3) and rank > 2
 
     def adjustment(shape):

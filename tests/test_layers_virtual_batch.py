@@ -12,7 +12,6 @@ output, gradient and variable).
 """
 
 
-import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -46,6 +45,13 @@ CASES = [
     dict(name='rank2', shape=[8, 3], kwargs={'virtual_batch_size': 8, 'momentum': 0.5}),
     dict(name='rank3-training-tensor', shape=[8, 4, 3], training_tensor=True,
          kwargs={'virtual_batch_size': 4, 'momentum': 0.5}),
+    # Other axis forms (testGhostBN5DimsMultiAxis14): the view keeps the batch
+    # alone on axis 0 (a middle axis is transposed, not folded). fused=True:
+    # tf.layers quietly takes its non-fused path, as with other options.
+    dict(name='rank4-axis2-fused=True', shape=[8, 2, 3, 2],
+         kwargs={'virtual_batch_size': 4, 'axis': 2, 'momentum': 0.5, 'fused': True}),
+    dict(name='rank3-axis[1,2]-training-tensor', shape=[8, 2, 3], training_tensor=True,
+         kwargs={'virtual_batch_size': 2, 'axis': [1, 2], 'momentum': 0.5}),
 ]
 IDS = [c['name'] for c in CASES]
 
@@ -74,8 +80,12 @@ def test_virtual_batches_equal_tf_layers_on_one_device(reference, case, towers):
     ours, _ = train_case(lambda *args: vbs_apply(_layer(towers), case, *args), case,  # noqa: F821
                          CASES.index(case), [total // towers] * towers)
     assert_same_numbers(ours, reference[CASES.index(case)], case, towers)
-    shape = ours['var/0/net/bn/moving_mean'].shape
-    assert len(shape) == len(case['shape']) + 1 and np.prod(shape) == 3    # [1, 1, ..., C]
+    # tf.layers' shape: the input's with 1 but in the normalized axes, and a
+    # leading 1 for the virtual-batch axis ([1, 1, ..., C] for the last axis).
+    rank, axis = len(case['shape']), case['kwargs'].get('axis', -1)
+    axes = [a % rank for a in (axis if isinstance(axis, list) else [axis])]
+    assert list(ours['var/0/net/bn/moving_mean'].shape) == [1, 1] + [
+        case['shape'][i] if i in axes else 1 for i in range(1, rank)]
 
 
 def test_the_strided_layout_matters(reference):
@@ -97,9 +107,10 @@ def test_the_strided_layout_matters(reference):
         assert_same_numbers(ours, reference[0], case, 1)
 
 
-def test_fused_true_with_virtual_batches_is_an_error_as_in_tf_layers(graph):
-    x = tf1.placeholder(tf.float32, [8, 3])
-    with pytest.raises(ValueError, match='`fused=True` is not supported when '
-                                         '`virtual_batch_size` is specified'):
-        tf1_syncbn.layers.batch_normalization(x, training=True, virtual_batch_size=4,
-                                              fused=True)
+def test_fused_true_with_virtual_batches_takes_the_non_fused_path_as_tf_layers(graph):
+    """tf.layers (tf-keras' V1 layer) accepts it and quietly runs without its fused kernel."""
+    x = tf1.placeholder(tf.float32, [8, 2, 2, 3])
+    layer = tf1_syncbn.layers.BatchNormalization(virtual_batch_size=4, fused=True)
+    layer.apply(x, training=True)
+    assert layer.fused is False and layer.axis == [4]
+    assert layer.moving_variance.shape.as_list() == [1, 1, 1, 1, 3]

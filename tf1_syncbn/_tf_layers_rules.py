@@ -13,7 +13,7 @@ from tf1_syncbn._options import replaced_layer_is_fused
 from tower._state import get_graph_state
 
 __all__ = ['BASE_NAME', 'DTYPES', 'tf_layers_runs_fused_kernel', 'ghost_batches_in_training',
-           'unique_layer_name', 'check_axis_type', 'check_callable', 'channel_axis']
+           'unique_layer_name', 'check_axis_type', 'check_callable', 'channel_axes']
 
 tf1 = tf.compat.v1
 
@@ -25,22 +25,32 @@ DTYPES = (tf.float16, tf.bfloat16, tf.float32)
 _INITIALIZER_NAMES = {'zeros': tf1.zeros_initializer, 'ones': tf1.ones_initializer}
 
 
-def tf_layers_runs_fused_kernel(fused, rank, renorm, virtual_batch_size, adjustment):
+def tf_layers_runs_fused_kernel(fused, rank, axes, renorm, virtual_batch_size, adjustment):
     """Where tf.layers' ``BatchNormalization`` (tf-keras' legacy layer) runs the fused kernel.
 
-    Its rule (``BatchNormalizationBase`` with V1 behaviour): ``fused=None``
-    means True, and the fused kernel runs on inputs of rank 4 and 5 with one
-    channel axis (1 or the last, the only axes here) and neither ``renorm``,
+    Its rule (``BatchNormalizationBase`` with V1 behaviour, ``build``):
+    ``fused=None`` means True, and the fused kernel runs on inputs of rank 4
+    and 5 with one channel axis, 1 or the last (``axis=1``, ``3``/``-1`` on
+    rank 4, ``4``/``-1`` on rank 5), and neither ``renorm``,
     ``virtual_batch_size`` nor ``adjustment``; ``fused=True`` anywhere else
-    quietly takes the non-fused path, as in tf.layers. There the moving
+    (a middle axis, several axes, ...) quietly takes the non-fused path, as
+    in tf.layers. There the moving
     variance tracks the Bessel-corrected batch variance and ``1 - momentum``
     is computed in float32; on the non-fused path, the biased variance and
     ``1 - momentum`` in double, and 16-bit inputs are computed in float32.
 
+    Args:
+      fused: the ``fused`` argument.
+      rank: the input's rank.
+      axes: the normalized channel axes (:func:`channel_axes`).
+      renorm, virtual_batch_size, adjustment: the arguments.
+
     Returns:
       See :func:`tf1_syncbn._options.replaced_layer_is_fused`.
     """
-    return replaced_layer_is_fused(fused, rank, (4, 5), (renorm, virtual_batch_size, adjustment))
+    one_axis = len(axes) == 1 and axes[0] in (1, rank - 1)
+    return one_axis and replaced_layer_is_fused(fused, rank, (4, 5),
+                                                (renorm, virtual_batch_size, adjustment))
 
 
 def ghost_batches_in_training(training):
@@ -101,31 +111,45 @@ def check_callable(layer, name, value, initializer=False):
         layer, name, " (or 'zeros', 'ones')" if initializer else ' or None', value))
 
 
-def channel_axis(layer, axis, rank):
-    """tf.layers' ``axis`` for an input of ``rank``, as 1 or ``rank - 1``.
+def channel_axes(layer, axis, rank, virtual_batch_size=None):
+    """tf.layers' ``axis`` for an input of ``rank``: the normalized axes, non-negative.
+
+    Any axis but the batch axis, or any list of them, as tf.layers takes it
+    (``validate_axis``): negative values count from the end; the list keeps
+    the caller's order (as tf.layers' ``layer.axis``).
 
     Args:
       layer: the layer's name for messages.
       axis: the ``axis`` argument (an int or a list of ints).
-      rank: the input's rank, or None (``check_inputs`` names that problem).
+      rank: the input's rank, or None.
+      virtual_batch_size: the argument, for the message about axis 0.
+
+    Returns:
+      A list of ints in ``[1, rank)``; None for an unknown rank or one outside
+      2 to 5 (``check_inputs`` names that problem).
 
     Raises:
-      ValueError: for axes out of range or repeated (as tf.layers), several
-        axes, or one that is neither 1 nor the last (the core normalizes the
-        channels of one axis, 1 or the last).
+      ValueError: for axes out of range or repeated (as tf.layers), and for
+        the batch axis 0: tf.layers rejects it with ``virtual_batch_size``;
+        without, it normalizes every example by its own statistics, with
+        variables the size of the batch, which no towers can share (a
+        deliberate difference).
     """
-    if rank is None:
+    if rank is None or not 2 <= rank <= 5:
         return None
     axes = axis if isinstance(axis, list) else [axis]
     normalized = [a + rank if a < 0 else a for a in axes]
     if any(not 0 <= a < rank for a in normalized) or len(set(normalized)) != len(axes):
         raise ValueError('%s: invalid axis=%r for inputs of rank %d: every axis must lie in '
                          '[-%d, %d) and appear once.' % (layer, axis, rank, rank, rank))
-    if len(normalized) > 1:
-        raise ValueError('%s: axis=%r normalizes over several axes at once, which this layer '
-                         'does not support; pass one channel axis (1 or -1).' % (layer, axis))
-    if normalized[0] not in (1, rank - 1):
-        raise ValueError('%s: axis=%r: only the channel axis 1 or the last axis (%d) is '
-                         'supported for inputs of rank %d; transpose the input so that the '
-                         'normalized axis is one of them.' % (layer, axis, rank - 1, rank))
-    return normalized[0]
+    if 0 in normalized:
+        if virtual_batch_size is not None:
+            raise ValueError('%s: axis=%r: when using `virtual_batch_size`, the batch '
+                             'dimension must be 0 and thus axis cannot include 0.'
+                             % (layer, axis))
+        raise ValueError('%s: axis=%r includes the batch axis 0: that normalizes each example '
+                         'by its own statistics, with variables the size of the batch, '
+                         'which towers of other sizes cannot share; this layer normalizes '
+                         'over the batch. Pass the channel axis or axes (1 to %d).'
+                         % (layer, axis, rank - 1))
+    return normalized

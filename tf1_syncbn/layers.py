@@ -18,9 +18,11 @@ code restore unchanged. :func:`tf1_syncbn.patch_tf_layers` makes
 
 import tensorflow as tf
 
+from tf1_syncbn._axes import (adjustment_in_view, from_view, needs_view, parameter_shape,
+                              plan_view, to_view)
 from tf1_syncbn._core import batch_norm
 from tf1_syncbn._options import check_graph_mode, check_inputs, check_options
-from tf1_syncbn._tf_layers_rules import (BASE_NAME, DTYPES, channel_axis, check_axis_type,
+from tf1_syncbn._tf_layers_rules import (BASE_NAME, DTYPES, channel_axes, check_axis_type,
                                          check_callable, ghost_batches_in_training,
                                          tf_layers_runs_fused_kernel, unique_layer_name)
 from tf1_syncbn._variables import STATISTICS_AGGREGATION, Params, RenormVariables
@@ -53,8 +55,12 @@ class BatchNormalization(object):
     with its statistics but never updates the moving statistics.
 
     Args:
-      axis: the channel axis: an int, or a list of one int; 1 or the last
-        axis (negative values count from the end).
+      axis: the normalized axis, or a list of axes normalized together, as in
+        tf.layers: any axis but the batch axis 0 (negative values count from
+        the end). One axis without ``virtual_batch_size`` has variables of
+        shape ``[C]``; several axes (or a virtual batch) have variables of
+        the input's shape with 1 in every other axis (see
+        :mod:`tf1_syncbn._axes` for how they are computed).
       momentum: decay of the moving averages (a number or a float scalar tensor).
       epsilon: added to the variance.
       center, scale: learn ``beta`` / ``gamma``.
@@ -129,6 +135,7 @@ class BatchNormalization(object):
             raise TypeError('%s: dtype=%r is not supported; use float16, bfloat16 or float32.'
                             % (layer, dtype))
         self.axis = check_axis_type(layer, axis)
+        self._axis_argument = self.axis     # (self.axis becomes tf.layers' built axes)
         self.momentum = momentum
         self.epsilon = epsilon
         self.center = center
@@ -266,39 +273,45 @@ class BatchNormalization(object):
         x = inputs
         if self.dtype is not None:
             x = tf.cast(x, self.dtype)
+        if not isinstance(x, (tf.Tensor, tf.Variable)):
+            try:
+                x = tf.convert_to_tensor(x)
+            except (TypeError, ValueError):
+                pass                        # check_inputs names the problem
         rank = getattr(getattr(x, 'shape', None), 'ndims', None)
-        axis = channel_axis(layer, self.axis, rank)
         vbs = self.virtual_batch_size
-        if vbs is not None and self._fused_hint is True:
-            raise ValueError('%s: Passing `fused=True` is not supported when '
-                             '`virtual_batch_size` is specified.' % layer)
+        axes = channel_axes(layer, self._axis_argument, rank, vbs)
+        # Axes other than one channel axis 1 or last: the core normalizes a view
+        # of the input in which they are one channel axis (tf1_syncbn._axes).
+        view = self._view(layer, x, axes) if axes and needs_view(rank, axes) else None
+        inputs = x
+        adjustment = self.adjustment
+        if view is not None:
+            x, adjustment = to_view(x, view), adjustment_in_view(adjustment, x, view)
         ghost = vbs if ghost_batches_in_training(training) else None
         options = check_options(
-            layer, arg_names={'is_training': 'training'}, axis=axis, is_training=training,
-            momentum=self.momentum, epsilon=self.epsilon, center=self.center,
-            scale=self.scale, fused=self._fused_hint, renorm=self.renorm,
+            layer, arg_names={'is_training': 'training'},
+            axis=view.axis if view is not None else (axes[0] if axes else None),
+            is_training=training, momentum=self.momentum, epsilon=self.epsilon,
+            center=self.center, scale=self.scale, fused=self._fused_hint, renorm=self.renorm,
             renorm_clipping=self.renorm_clipping, renorm_momentum=self.renorm_momentum,
-            adjustment=self.adjustment, num_dev=self.num_dev,
+            adjustment=adjustment, num_dev=self.num_dev,
             sync_statistics=self.sync_statistics, virtual_batch_size=ghost,
             virtual_batch_style='strided')
         if vbs is not None and ghost is None:
             check_options(layer, virtual_batch_size=vbs)   # still a positive int
         x, layout = check_inputs(options, x)
-        fused = tf_layers_runs_fused_kernel(self._fused_hint, layout.rank, self.renorm, vbs,
+        fused = tf_layers_runs_fused_kernel(self._fused_hint, rank, axes, self.renorm, vbs,
                                             self.adjustment)
         options = options.with_replaced_path(fused, float32_decay=fused)
         dtype = x.dtype.base_dtype
         if not fused and dtype != tf.float32:
             x = tf.cast(x, tf.float32)     # tf.layers' non-fused path computes in float32
         if not self.built:
-            shape = [layout.channels]
-            if vbs is not None:
-                # tf.layers keeps ghost-batch variables in the input's rank + 1, as
-                # [1, 1, ..., C] (the channel axis shifted by the virtual-batch axis).
-                shape = [1] * (layout.rank + 1)
-                shape[axis + 1] = layout.channels
-            self._build(shape, options)
-            self.fused, self.axis = fused, [axis]
+            self._build(parameter_shape(inputs.shape.as_list(), axes, vbs is not None), options)
+            # As tf.layers: the axes non-negative, shifted by the virtual-batch axis.
+            self.fused = fused
+            self.axis = [a + 1 for a in axes] if vbs is not None else list(axes)
             self.built = True
         before = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
         outputs = batch_norm(x, layout, options, self._params,
@@ -306,7 +319,23 @@ class BatchNormalization(object):
                              update_moving=bool(self.trainable))
         after = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
         self._updates.extend(op for op in after[len(before):] if op not in self._updates)
+        if view is not None:
+            outputs = from_view(outputs, inputs, view)
         return tf.cast(outputs, dtype) if outputs.dtype != dtype else outputs
+
+    def _view(self, layer, x, axes):
+        """The view for ``axes`` (:func:`tf1_syncbn._axes.plan_view`); their sizes must be known.
+
+        With ``virtual_batch_size`` the view keeps the batch alone on its axis 0
+        (whether or not this call splits it into ghost batches, so that every
+        call of the layer sees the same view).
+        """
+        dims = x.shape.as_list()
+        if any(dims[a] is None for a in axes):
+            raise ValueError('%s: input has an undefined `axis` dimension: inputs %s, axis=%s; '
+                             'the normalized dimensions must be known at graph build to '
+                             'create the variables.' % (layer, x.shape, axes))
+        return plan_view(len(dims), axes, dims, keep_batch=self.virtual_batch_size is not None)
 
     def _build(self, shape, options):
         """Creates the variables as tf.layers does (names, shapes, order, collections, losses)."""
