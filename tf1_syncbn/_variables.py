@@ -105,19 +105,36 @@ def read(value):
     return tensor
 
 
-# Ops whose output is their first input's buffer (no copy).
-_FORWARDING_OPS = ('Identity', 'RefIdentity')
+# Ops whose outputs are buffers of their inputs (no copy): identities and v1 control flow.
+_FORWARDING_OPS = frozenset(['Identity', 'RefIdentity', 'IdentityN', 'Switch', 'RefSwitch',
+                             'Merge', 'RefMerge', 'Enter', 'RefEnter', 'Exit', 'RefExit',
+                             'NextIteration', 'RefNextIteration'])
 
 
-def _aliases_a_reference_variable(tensor):
-    """Whether ``tensor`` may be the buffer of a reference variable (TF1 behaviour)."""
-    while True:
+def _aliases_a_reference_variable(tensor, limit=64):
+    """Whether ``tensor`` may be the buffer of a reference variable (TF1 behaviour).
+
+    Follows the ops that forward a buffer (``tf.identity``, a v1 ``tf.cond``'s
+    ``Switch`` and ``Merge``: a ``custom_getter`` returning
+    ``tf.cond(flag, lambda: f(v), lambda: tf.identity(v))`` aliases ``v`` in
+    one branch) back to a reference, at most ``limit`` ops.
+    """
+    pending, seen = [tensor], set()
+    while pending and len(seen) < limit:
+        tensor = pending.pop()
         if tensor.dtype._is_ref_dtype:  # noqa: SLF001 - TensorFlow has no public test
             return True
         op = tensor.op
-        if op.type not in _FORWARDING_OPS or not op.inputs:
-            return False
-        tensor = op.inputs[0]
+        if op.type not in _FORWARDING_OPS or op.name in seen:
+            continue
+        seen.add(op.name)
+        if op.type == 'IdentityN':
+            pending.append(op.inputs[tensor.value_index])
+        elif op.type in ('Merge', 'RefMerge'):
+            pending.extend(op.inputs)
+        elif op.inputs:
+            pending.append(op.inputs[0])
+    return False
 
 
 def assignable(value):
