@@ -3,7 +3,6 @@
 import os
 import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -217,58 +216,30 @@ def test_nccl_on_cpu_is_a_build_error(graph):
         build_towers(lambda x: sync_batch_norm(x, sync_statistics='nccl'), 2, (None, 3))
 
 
-# --- Horovod, with a stand-in module -------------------------------------------
-
-class _FakeHorovod(types.ModuleType):
-    """Two 'processes' that hold identical data: allreduce(x) == 2 * x."""
-
-    Sum = 'sum'
-
-    def __init__(self):
-        super().__init__('horovod.tensorflow')
-        self.calls = []
-
-    def size(self):
-        return 2
-
-    def allreduce(self, tensor, op=None, name=None):
-        self.calls.append((op, name, tensor.dtype))
-        return tensor * 2
-
-
-@pytest.fixture
-def fake_horovod(monkeypatch):
-    hvd = _FakeHorovod()
-    pkg = types.ModuleType('horovod')
-    pkg.tensorflow = hvd
-    monkeypatch.setitem(sys.modules, 'horovod', pkg)
-    monkeypatch.setitem(sys.modules, 'horovod.tensorflow', hvd)
-    return hvd
-
-
-def test_horovod_backend_equals_duplicated_batch(graph, rng, fake_horovod):
-    x = tf1.placeholder(tf.float32, [None, 3])
-    y = sync_batch_norm(x, scale=True, decay=0.0, epsilon=EPS, sync_statistics='horovod')
-    dy = rng.randn(4, 3).astype(np.float32)
-    dx, = tf.gradients(tf.reduce_sum(y * dy), [x])
-    assert [c[0] for c in fake_horovod.calls] == ['sum', 'sum']
-    assert fake_horovod.calls[0][1] != fake_horovod.calls[1][1]
-    data = rng.randn(4, 3).astype(np.float32)
-    with make_session(graph, 1) as sess:
-        sess.run(tf1.global_variables_initializer())
-        yv, dxv = sess.run([y, dx], {x: data})
-    both = np.concatenate([data, data])
-    np.testing.assert_allclose(yv, bn_forward(both, 1, 0, EPS)['y'][:4], atol=2e-5)
-    # The other process back-propagates the same dy through its copy.
-    ref = bn_backward(np.concatenate([dy, dy]), both, np.ones(3), EPS)['dx'][:4]
-    np.testing.assert_allclose(dxv, ref, atol=5e-5)
-
+# --- Horovod: what a run under horovodrun cannot show -------------------------
+# (tests/with_horovod/ runs the backend with Horovod itself: make test-horovod.)
 
 def test_horovod_missing_is_a_clear_error(graph, monkeypatch):
     monkeypatch.setitem(sys.modules, 'horovod', None)
     monkeypatch.setitem(sys.modules, 'horovod.tensorflow', None)
     with pytest.raises(ValueError, match='horovod'):
         sync_batch_norm(tf1.placeholder(tf.float32, [None, 3]), sync_statistics='horovod')
+
+
+@pytest.mark.parametrize('environ,seconds', [
+    ({}, 0),                                                                # Horovod's default
+    ({'HOROVOD_STALL_SHUTDOWN_TIME_SECONDS': '120'}, 120),
+    ({'HOROVOD_STALL_SHUTDOWN_TIME_SECONDS': '30'}, 0),                     # < the 60 s check
+    ({'HOROVOD_STALL_SHUTDOWN_TIME_SECONDS': '4', 'HOROVOD_STALL_CHECK_TIME_SECONDS': '2'}, 4),
+    ({'HOROVOD_STALL_SHUTDOWN_TIME_SECONDS': '4', 'HOROVOD_STALL_CHECK_TIME_SECONDS': '4'}, 4),
+    ({'HOROVOD_STALL_SHUTDOWN_TIME_SECONDS': '90s'}, 90),                   # strtol, as Horovod
+    ({'HOROVOD_STALL_SHUTDOWN_TIME_SECONDS': 'x'}, 0),
+    ({'HOROVOD_STALL_SHUTDOWN_TIME_SECONDS': '120', 'HOROVOD_STALL_CHECK_DISABLE': '1'}, 0),
+    ({'HOROVOD_STALL_SHUTDOWN_TIME_SECONDS': '120', 'HOROVOD_STALL_CHECK_DISABLE': '0'}, 120),
+])
+def test_horovod_stall_shutdown_is_read_as_horovod_reads_it(environ, seconds):
+    """What HorovodBackend warns about: whether Horovod would end a stalled job, and when."""
+    assert backends.stall_shutdown_seconds(environ) == seconds
 
 
 def test_custom_backend_object(graph, rng):
