@@ -75,6 +75,22 @@ docs: $(VENV)/.installed-docs
 wheel-check: $(VENV)/.installed-test
 	PY=$(PY) PYTHON=$(PYTHON) .ci/wheel_check.sh
 
+# Horovod 0.28.1 with Gloo (no MPI), built from PyPI's sdist against the
+# installed TensorFlow into .venv by tools/build_horovod.sh (docs/horovod.md).
+# Where it cannot build, it fails saying why; it never skips.
+.PHONY: horovod test-horovod
+horovod: $(VENV)/.installed-horovod
+
+$(VENV)/.installed-horovod: $(VENV)/.installed-test tools/build_horovod.sh
+	tools/build_horovod.sh $(PY)
+	touch $@
+
+# The Horovod backend run by Horovod itself: tests/with_horovod/ starts
+# horovodrun --gloo with 2 processes; both TF behaviours. CI runs it after make test.
+test-horovod: horovod kernels
+	TF1_SYNCBN_TEST_BEHAVIOR=v2 $(PY) -m pytest -q tests/with_horovod $(PYTEST_ARGS)
+	TF1_SYNCBN_TEST_BEHAVIOR=v1 $(PY) -m pytest -q tests/with_horovod $(PYTEST_ARGS)
+
 bench: $(VENV)/.installed kernels
 	$(PY) bench/sync_step.py
 	$(PY) bench/network_step.py
