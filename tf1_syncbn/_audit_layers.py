@@ -40,9 +40,9 @@ _GRADIENTS = re.compile(r'gradients(_[0-9]+)?')
 _SAVER = re.compile(r'save(_[0-9]+)?')
 _TRAINING_KINDS = frozenset(['library', 'fused', 'moments'])
 #: Ops between a layer's statistics and its variables (reads, casts, the update's arithmetic).
-_STATISTIC_PATH = frozenset(['Identity', 'Snapshot', 'ReadVariableOp', 'Cast', 'Enter', 'Switch', 'AddV2',
-                             'Add', 'Sub', 'Mul', 'StopGradient', 'Squeeze', 'Reshape',
-                             'SelectV2', 'Select'])
+_STATISTIC_PATH = frozenset(['Identity', 'Snapshot', 'ReadVariableOp', 'Cast', 'Enter',
+                             'Switch', 'AddV2', 'Add', 'Sub', 'Mul', 'StopGradient', 'Squeeze',
+                             'Reshape', 'SelectV2', 'Select'])
 
 
 def _anchor(node):
@@ -149,8 +149,8 @@ def _instances(index, patterns, variables):
     for scope, instance in list(instances.items()):
         key = strip_towers(scope, patterns)
         if key not in layer_keys:
-            key = _linked_key(index, instance, variables) or _reused_key(key, layer_keys) or (
-                key if 'library' in instance.kinds else None)
+            key = _linked_key(index, instance, variables) or _reused_key(key, layer_keys) or \
+                _model_key(key, layer_keys) or (key if 'library' in instance.kinds else None)
         if key is None:
             del instances[scope]        # not batch norm (layer norm's fused kernel, say)
         else:
@@ -170,6 +170,23 @@ def _reused_key(key, layer_keys):
     """
     match = _CALL_SUFFIX.fullmatch(key)
     return match.group(1) if match is not None and match.group(1) in layer_keys else None
+
+
+def _model_key(key, layer_keys):
+    """The layer of a Keras layer called inside a model (``model(x)`` in a tower), or None.
+
+    Its ops get the model's name scope, ``<model>/<layer>``, while its
+    variables, created when the model was constructed, stay under ``<layer>``.
+    """
+    parts = key.split('/')
+    for i in range(1, len(parts)):
+        candidate = '/'.join(parts[i:])
+        if candidate in layer_keys:
+            return candidate
+        reused = _reused_key(candidate, layer_keys)
+        if reused is not None:
+            return reused
+    return None
 
 
 def _statistic_inputs(node):
