@@ -122,7 +122,10 @@ def worker_main(args):
     import tensorflow as tf
 
     from tf1_syncbn.distributed import ClusterError, hard_exit, setup_cluster
-    tf.compat.v1.disable_eager_execution()
+    if args.tf1_behavior:
+        tf.compat.v1.disable_v2_behavior()
+    else:
+        tf.compat.v1.disable_eager_execution()
     try:
         cluster = setup_cluster(towers=args.towers, hosts=args.hosts if args.task is not None
                                 else None, task=args.task, collective_timeout=args.timeout,
@@ -154,6 +157,9 @@ def main(argv=None):
                         help='collective timeout: a lost worker fails the others within it')
     parser.add_argument('--startup-timeout', type=float, default=120.0,
                         help='seconds to wait for every worker at start-up')
+    parser.add_argument('--tf1-behavior', action='store_true',
+                        help='run under tf.compat.v1.disable_v2_behavior() (TF1 behaviour), as '
+                             'TF1 scripts do; default: TF2-behaviour graph mode')
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     if args.task is not None and not args.hosts:

@@ -152,6 +152,10 @@ def parse_args(argv=None):
                         help='delete an earlier run in --out-dir (checkpoints, history, initial '
                              'weights, metrics) and start afresh; without it or --resume, the '
                              'job refuses to start when --out-dir holds an earlier run')
+    parser.add_argument('--tf1-behavior', action='store_true',
+                        help='build and run the graphs under tf.compat.v1.disable_v2_behavior() '
+                             '(TF1 behaviour: reference variables, v1 control flow), as TF1 '
+                             'scripts do; default: TF2-behaviour graph mode')
     parser.add_argument('--min-accuracy', type=float, default=0.95,
                         help='fail (exit 1) when the SyncBN model scores below this')
     parser.add_argument('--update-docs', action='store_true',
@@ -787,7 +791,10 @@ def _will_be_chief(args):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    tf1.disable_eager_execution()
+    if args.tf1_behavior:
+        tf1.disable_v2_behavior()
+    else:
+        tf1.disable_eager_execution()
     worker_mode = args.task is not None or _tf_config_cluster()
     # Before anything starts: never delete an earlier run's checkpoints
     # because --resume was forgotten.

@@ -80,3 +80,19 @@ def pytest_report_header(config):
     return 'TF behaviour: %s (%s=%s)' % (
         'TF1 (disable_v2_behavior)' if tf_behavior.is_v1() else 'TF2-behaviour graph mode',
         tf_behavior.VARIABLE, tf_behavior.name())
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        'markers', 'once: runs in the TF2-behaviour pass only; what it tests does not depend on '
+        'the TF behaviour (see tf_behavior.py)')
+
+
+def pytest_collection_modifyitems(config, items):
+    """In the TF1-behaviour pass, leaves out the tests marked ``once``."""
+    if not tf_behavior.is_v1():
+        return
+    once = [item for item in items if item.get_closest_marker('once') is not None]
+    if once:
+        config.hook.pytest_deselected(items=once)
+        items[:] = [item for item in items if item.get_closest_marker('once') is None]

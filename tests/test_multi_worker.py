@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import tf_behavior
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -11,7 +13,7 @@ def test_two_workers_of_two_towers_equal_the_global_batch():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, 'examples', 'multi_worker.py'), '--workers', '2',
-         '--towers', '2', '--timeout', '60'],
+         '--towers', '2', '--timeout', '60'] + tf_behavior.flag(),
         capture_output=True, text=True, timeout=400, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert 'PASS' in proc.stdout

@@ -9,6 +9,8 @@ import types
 import numpy as np
 import pytest
 
+import tf_behavior
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, 'examples', 'train_multitower.py')
 STEPS = 30
@@ -85,7 +87,7 @@ def two_workers(tmp_path_factory):
     out = str(tmp_path_factory.mktemp('two_workers'))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]))
     proc = subprocess.run([sys.executable, DEMO, '--workers', '2', '--towers', '2',
-                           '--out-dir', out] + COMMON,
+                           '--out-dir', out] + COMMON + tf_behavior.flag(),
                           capture_output=True, text=True, timeout=400, env=env, cwd=ROOT)
     text = proc.stdout + proc.stderr[-3000:]
     assert proc.returncode == 0, text

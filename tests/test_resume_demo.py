@@ -27,12 +27,11 @@ DEMO = os.path.join(ROOT, 'examples', 'train_multitower.py')
 COMMON = ['--eval-every', '2', '--save-every', '2', '--min-accuracy', '0']
 TIMEOUT_S = 300
 
-pytestmark = pytest.mark.skipif(tf_behavior.is_v1(),
-                                reason='the demo runs in TF2 behaviour whatever the suite runs in')
-
 
 def _demo(*args):
-    return subprocess.run([sys.executable, DEMO] + COMMON + list(args), cwd=ROOT, text=True,
+    # (--tf1-behavior in the TF1-behaviour pass.)
+    return subprocess.run([sys.executable, DEMO] + COMMON + tf_behavior.flag() + list(args),
+                          cwd=ROOT, text=True,
                           capture_output=True, timeout=TIMEOUT_S,
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'))
 

@@ -7,6 +7,7 @@ import sys
 import pytest
 import tensorflow as tf
 
+import tf_behavior
 from tf1_syncbn import selftest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -101,7 +102,8 @@ def test_cli_exits_zero():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
     proc = subprocess.run(
         [sys.executable, '-m', 'tf1_syncbn.selftest', '--towers', '2', '--backend',
-         'collective'], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+         'collective'] + tf_behavior.flag(), cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert 'PASS: collective' in proc.stdout
     assert 'output' in proc.stdout and 'moving_var' in proc.stdout

@@ -17,6 +17,12 @@ The behaviour is set once, at process start, from ``$TF1_SYNCBN_TEST_BEHAVIOR``
 script the tests start (reference scripts of the replaced libraries, worker
 processes, child pytest runs) inherits the variable and applies it too, so a
 case and its reference always run in the same behaviour.
+
+``make test`` runs the suite twice, once per behaviour. The TF1-behaviour
+pass runs every module that builds graphs, with the cases each module picks
+(:func:`pick`); tests marked ``@pytest.mark.once`` (what they test does not
+depend on the behaviour: the source tree, compiler flags, the launcher's
+process handling) run in the TF2-behaviour pass only.
 """
 
 import os
@@ -51,6 +57,43 @@ def apply():
         tf.compat.v1.disable_v2_behavior()
     else:
         tf.compat.v1.disable_eager_execution()
+
+
+def pick(cases, v1_cases):
+    """The cases a parametrized test runs in this process's behaviour.
+
+    ``make test`` runs the whole suite in TF2-behaviour graph mode, then again
+    in TF1 behaviour. The second pass runs every module that builds graphs,
+    but not every case twice: a module names the cases whose paths TF1
+    behaviour changes (reference variables and their reads, v1 ``tf.cond``,
+    ``Dimension`` shapes, the replaced library's own TF1 path), one per path
+    it covers, and the rest run once.
+
+    Args:
+      cases: every case (the TF2-behaviour pass runs them all).
+      v1_cases: the cases the TF1-behaviour pass runs, a subset of ``cases``.
+
+    Returns:
+      ``cases`` or ``v1_cases``, as a list.
+
+    Raises:
+      ValueError: when ``v1_cases`` holds a case that ``cases`` does not.
+    """
+    cases, v1_cases = list(cases), list(v1_cases)
+    strangers = [c for c in v1_cases if c not in cases]
+    if strangers:
+        raise ValueError('pick: v1 cases %r are not among the cases.' % (strangers,))
+    return v1_cases if is_v1() else cases
+
+
+def flag():
+    """The command-line flag of the project's scripts for this behaviour.
+
+    The demo (``examples/train_multitower.py``), ``examples/multi_worker.py``
+    and ``python -m tf1_syncbn.selftest`` choose their TF behaviour with
+    ``--tf1-behavior``; tests that start them pass this.
+    """
+    return ['--tf1-behavior'] if is_v1() else []
 
 
 def environment(behavior):

@@ -358,6 +358,10 @@ def _parse(argv):
     parser.add_argument('--steps', type=int, default=10,
                         help='timed training steps per backend (default 10)')
     parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--tf1-behavior', action='store_true',
+                        help='check under tf.compat.v1.disable_v2_behavior() (TF1 behaviour: '
+                             'reference variables, v1 control flow), as TF1 scripts run; '
+                             'default: TF2-behaviour graph mode')
     args = parser.parse_args(argv)
     if args.towers is not None and args.towers < 1:
         parser.error('--towers must be at least 1')
@@ -374,7 +378,10 @@ def main(argv=None):
         ``sys.argv[1:]``).
     """
     args = _parse(argv)
-    tf1.disable_eager_execution()
+    if args.tf1_behavior:
+        tf1.disable_v2_behavior()
+    else:
+        tf1.disable_eager_execution()
     towers = args.towers
     if towers is None:
         gpus = _gpu_count() if args.device != 'cpu' else 0
