@@ -8,6 +8,9 @@
 * :func:`patch_tensorpack`, :func:`patch_tf_layers`, :func:`sync_arg_scope`:
   make existing tensorpack, tf.layers and tf-slim code build this library's
   layers.
+* :mod:`tf1_syncbn.keras`: tf-keras' (Keras 2) ``BatchNormalization`` for Keras
+  models in TF1 graphs, and :func:`patch_keras` (both need tf-keras; loaded on
+  first use, so ``import tf1_syncbn`` never imports tf-keras).
 * :func:`audit_graph`: whether every batch norm of a graph is synchronized and
   its moving averages update (also ``python -m tf1_syncbn.audit``).
 * :mod:`tf1_syncbn.export`: an inference graph (frozen ``GraphDef`` or
@@ -56,3 +59,12 @@ __all__ += ['audit_graph', 'export']
 _kernels.register_cached()
 
 __version__ = '0.1.0'
+
+
+def __getattr__(name):
+    """``tf1_syncbn.keras`` and ``tf1_syncbn.patch_keras``, imported on first use (tf-keras)."""
+    if name in ('keras', 'patch_keras'):
+        import importlib  # noqa: PLC0415 - only for these lazy names
+        module = importlib.import_module('tf1_syncbn.keras')
+        return module if name == 'keras' else module.patch_keras
+    raise AttributeError('module %r has no attribute %r' % (__name__, name))

@@ -1,0 +1,347 @@
+"""tf-keras' (Keras 2) ``BatchNormalization``, synchronized, for Keras models in TF1 graphs.
+
+* :class:`BatchNormalization`: ``tf_keras.layers.BatchNormalization`` (what
+  ``tf.keras.layers.BatchNormalization`` is with ``TF_USE_LEGACY_KERAS=1``),
+  plus ``sync_statistics`` and ``num_dev``;
+* :class:`BatchNormalizationV1`: tf-keras' v1 layer
+  (``tf.compat.v1.keras.layers.BatchNormalization``, what
+  ``tf_keras.applications`` build under ``disable_v2_behavior()``), likewise;
+* :func:`patch_keras` (also ``tf1_syncbn.patch_keras``): existing Keras code
+  builds these (see :mod:`tf1_syncbn.keras_compat`).
+
+Each is a subclass of tf-keras' own class that keeps its constructor,
+``build`` (the weights, their names, order, dtypes and aggregation),
+``get_config`` and training rules, and replaces the computation of ``call``
+with one call of the shared core (:func:`tf1_syncbn._core.batch_norm`): the
+towers, groups, backends, guards, shared updates and the variance rule are
+the other front-ends'. The layers need tf-keras (``pip install --no-deps
+"tf-keras~=<TensorFlow's major.minor>.0"``); ``import tf1_syncbn`` never
+imports it.
+"""
+
+import contextlib
+import warnings
+
+import tensorflow as tf
+from tensorflow.python.ops import control_flow_util_v2
+
+try:
+    import tf_keras  # noqa: F401 - the package whose layer this module subclasses
+    from tf_keras.src.layers.normalization import batch_normalization as _keras_bn
+    from tf_keras.src.layers.normalization import batch_normalization_v1 as _keras_bn_v1
+except ImportError as _error:  # the message says how to install it
+    _version = '.'.join(tf.__version__.split('.')[:2])
+    raise ImportError(
+        'tf1_syncbn.keras needs tf-keras (Keras 2, the package `tf_keras`), which could not '
+        'be imported (%s). Install the release that matches TensorFlow %s, without its '
+        'dependencies (they ask for the full `tensorflow` package): '
+        'pip install --no-deps "tf-keras~=%s.0"' % (_error, tf.__version__, _version)) from _error
+
+from tf1_syncbn._axes import adjustment_in_view, from_view, needs_view, plan_view, to_view
+from tf1_syncbn._core import batch_norm
+from tf1_syncbn._keras_rules import (check_keras_graph, is_model_graph_call, keras_channel_axes,
+                                     training_value)
+from tf1_syncbn._options import check_inputs, check_options
+from tf1_syncbn._tf_layers_rules import ghost_batches_in_training
+from tf1_syncbn.keras_compat import ClassPatch, class_with_defaults
+from tf1_syncbn._variables import Params, RenormVariables
+
+__all__ = ['BatchNormalization', 'BatchNormalizationV1', 'patch_keras']
+
+tf1 = tf.compat.v1
+
+#: tf-keras' classes, as this module found them (before any patch).
+KERAS_BATCH_NORMALIZATION = _keras_bn.BatchNormalization
+KERAS_BATCH_NORMALIZATION_V1 = _keras_bn_v1.BatchNormalization
+#: Where a call's moving-average updates go, on their way to ``layer.add_update``.
+_UPDATES_COLLECTION = 'tf1_syncbn_keras_updates'
+
+
+@contextlib.contextmanager
+def _lazy_cond_outputs():
+    """``tf.cond`` (v2) outputs its branches' intermediates only when a gradient needs them.
+
+    Inside a Keras layer's call, TensorFlow's ``cond_v2`` exports every
+    intermediate of both branches as an optional output (for Keras' own
+    session training), and the gradient of the ``If`` op then differentiates
+    through all of them, the synchronized statistics' all-reduces included,
+    which have no gradient of their own. Outside Keras (the other front-ends)
+    it adds the outputs a gradient needs when the gradient is built: so here.
+    """
+    previous = control_flow_util_v2._EXPERIMENTAL_OUTPUT_ALL_INTERMEDIATES_OVERRIDE  # noqa: SLF001
+    control_flow_util_v2._EXPERIMENTAL_OUTPUT_ALL_INTERMEDIATES_OVERRIDE = False  # noqa: SLF001
+    try:
+        yield
+    finally:
+        control_flow_util_v2._EXPERIMENTAL_OUTPUT_ALL_INTERMEDIATES_OVERRIDE = previous  # noqa: SLF001
+
+
+class _Synchronized(object):
+    """What both layers add to tf-keras' class: the arguments and the call through the core."""
+
+    def _init_sync(self, sync_statistics, num_dev, axis, fused):
+        self.sync_statistics = sync_statistics
+        self.num_dev = num_dev
+        self._axis_argument = axis
+        self._fused_argument = fused
+
+    def _layer_label(self):
+        return '%s(%s)' % (type(self).__name__, self.name)
+
+    @tf.autograph.experimental.do_not_convert
+    def call(self, inputs, training=None, mask=None):
+        """Normalizes ``inputs`` with tf-keras' rules and the core's synchronized statistics.
+
+        Args:
+          inputs: a float16, bfloat16 or float32 tensor of rank 2 to 5.
+          training: as in tf-keras: a Python bool, a bool tensor, or None for
+            ``K.learning_phase()``; ``BatchNormalization`` with
+            ``trainable=False`` always runs in inference mode (tf-keras' v2
+            rule; not ``BatchNormalizationV1``).
+          mask: None, or on the non-fused path a ``[batch]`` weight per example
+            of a rank-2 input (tf-keras' fused path ignores it, with a warning).
+
+        Returns:
+          A tensor with the shape and dtype of ``inputs`` (the compute dtype).
+
+        Raises:
+          RuntimeError: eagerly or in a ``tf.function``.
+          ValueError, TypeError: naming the layer and the argument.
+        """
+        layer = self._layer_label()
+        check_keras_graph(layer)
+        training = training_value(self._get_training_value(training))
+        x = tf.cast(inputs, self.compute_dtype)
+        rank = x.shape.ndims
+        vbs = self.virtual_batch_size
+        axes = keras_channel_axes(layer, self.axis, self._axis_argument, vbs)
+        weights = self._mask_weights(layer, mask, rank)
+        one_device = is_model_graph_call(inputs)
+        # Axes other than one channel axis 1 or last: the core normalizes a view
+        # of the input in which they are one channel axis (tf1_syncbn._axes).
+        view, source, adjustment = None, x, self.adjustment
+        if needs_view(rank, axes):
+            view = plan_view(rank, axes, x.shape.as_list(), keep_batch=vbs is not None)
+            x, adjustment = to_view(x, view), adjustment_in_view(adjustment, x, view)
+        renorm = bool(self.renorm)
+        options = check_options(
+            layer, arg_names={'is_training': 'training'},
+            axis=view.axis if view is not None else axes[0], is_training=training,
+            momentum=self.momentum, epsilon=self.epsilon, center=self.center, scale=self.scale,
+            fused=False if self._fused_argument is False or weights is not None else None,
+            renorm=renorm, renorm_clipping=getattr(self, 'renorm_clipping', None) if renorm
+            else None, renorm_momentum=getattr(self, 'renorm_momentum', 0.99),
+            adjustment=adjustment, num_dev=None if one_device else self.num_dev,
+            sync_statistics=None if one_device else self.sync_statistics,
+            virtual_batch_size=vbs if ghost_batches_in_training(training) else None,
+            virtual_batch_style='strided')
+        x, layout = check_inputs(options, x)
+        # tf-keras' fused path tracks the fused kernel's Bessel-corrected variance
+        # and computes 1 - momentum in float32; its non-fused one, the biased
+        # variance and 1 - momentum in double (see BatchNormalizationBase).
+        options = options.with_replaced_path(self.fused, float32_decay=self.fused)
+        dtype = x.dtype.base_dtype
+        if not self.fused and dtype != tf.float32:
+            x = tf.cast(x, tf.float32)     # tf-keras' non-fused path computes in float32
+        graph = tf1.get_default_graph()
+        pending = graph.get_collection_ref(_UPDATES_COLLECTION)
+        del pending[:]
+        # The variable scope names the call for the towers (every tower calls the
+        # same layer object); it creates nothing. The model's own graph gets a
+        # name of its own, so that the towers' calls keep their numbers.
+        scope = self.name + ('/keras_model_graph' if one_device else '')
+        with tf1.variable_scope(scope, auxiliary_name_scope=False), _lazy_cond_outputs():
+            outputs = batch_norm(x, layout, options, self._sync_params(),
+                                 batch_weights=weights, updates_collections=[_UPDATES_COLLECTION])
+        updates, pending[:] = list(pending), []
+        if updates:
+            self.add_update(updates)
+        if view is not None:
+            outputs = from_view(outputs, source, view)
+        return tf.cast(outputs, dtype) if outputs.dtype != dtype else outputs
+
+    def _mask_weights(self, layer, mask, rank):
+        """tf-keras' ``mask`` as the core's per-example weights (or None)."""
+        if mask is None:
+            return None
+        if self.fused:
+            warnings.warn('Masking is not supported with `fused=True`. You should either turn '
+                          'off fusing (`fused=False`) or you should not pass a `mask` argument '
+                          'when calling the layer. For the moment `mask` will be ignored for '
+                          'the normalization.')
+            return None
+        mask = tf.convert_to_tensor(mask)
+        if rank != 2 or mask.shape.ndims != 1:
+            raise ValueError(
+                '%s: a mask of shape %s on an input of rank %d is not supported: the '
+                'synchronized layer weights whole examples (a [batch] mask on a rank-2 input). '
+                'Pass mask=None, or normalize a [batch * steps, channels] reshape with a '
+                '[batch * steps] mask.' % (self._layer_label(), mask.shape, rank))
+        return tf.cast(mask, tf.float32)
+
+    def _sync_params(self):
+        """The weights tf-keras' ``build`` created, as the core reads them."""
+        renorm = None
+        if self.renorm:
+            renorm = RenormVariables(self.renorm_mean, self.renorm_stddev, self.moving_stddev)
+        return Params(self.beta, self.gamma, self.moving_mean, self.moving_variance, renorm)
+
+    def _sync_config(self, config):
+        """tf-keras' config, plus this layer's arguments where they are not the defaults."""
+        if self.num_dev is not None:
+            config['num_dev'] = self.num_dev
+        spec = self.sync_statistics
+        if spec is None or (isinstance(spec, str) and spec != 'auto'):
+            config['sync_statistics'] = spec
+        elif not isinstance(spec, str):
+            warnings.warn('%s: sync_statistics=%r is an object and cannot be serialized; it is '
+                          "left out of the config (a layer made from it uses 'auto')."
+                          % (self._layer_label(), spec))
+        return config
+
+
+class BatchNormalization(_Synchronized, KERAS_BATCH_NORMALIZATION):
+    """``tf_keras.layers.BatchNormalization``, synchronized over the towers it is called in.
+
+    The arguments, defaults, weights (``gamma``, ``beta``, ``moving_mean``,
+    ``moving_variance``; with renorm ``moving_stddev``, ``renorm_mean``,
+    ``renorm_stddev``; under the layer's name, e.g. ``conv1_bn/gamma:0``), config
+    and training semantics of tf-keras' layer, so that tf-keras checkpoints and
+    weights load unchanged and back. In a TF1 graph (``tf.Graph().as_default()``,
+    ``disable_eager_execution()`` or ``disable_v2_behavior()``):
+
+    * **synchronized**: N towers (``tower_<i>`` name scopes with ``num_dev``,
+      ``tower.TowerContext``, tensorpack's trainers, ``tf.distribute``
+      replicas) normalize a training batch with the statistics of the global
+      batch and give what tf-keras' layer gives on one device with the
+      concatenated batch: outputs, gradients and every weight. The moving
+      variance tracks what tf-keras' tracks: the fused kernel's
+      Bessel-corrected batch variance on its fused path (rank 4 or 5, axis 1
+      or last, no renorm, ``virtual_batch_size`` or ``adjustment``), the
+      biased one elsewhere;
+    * **training**: ``training=None`` reads ``K.learning_phase()``; a layer
+      with ``trainable=False`` runs in inference mode (tf-keras' rule for
+      frozen layers in fine-tuning) and updates nothing;
+    * **updates**: as in tf-keras, in ``layer.updates`` / ``model.updates``
+      (``model.get_updates_for(inputs)``), not in ``UPDATE_OPS``. The main
+      tower holds the update ops; every other training tower holds a trigger
+      of them, so running any tower's updates (or all of them) updates the
+      moving statistics once per step. Run them in the step that runs every
+      tower's forward pass;
+    * **the model's own graph**: the call that a functional model makes on its
+      ``keras.Input`` when it is constructed outside any tower normalizes
+      that batch on one device (there is no tower to synchronize with).
+
+    Args:
+      axis, momentum, epsilon, center, scale, beta_initializer,
+        gamma_initializer, moving_mean_initializer,
+        moving_variance_initializer, beta_regularizer, gamma_regularizer,
+        beta_constraint, gamma_constraint, synchronized: tf-keras'.
+        ``axis`` must name one channel axis, 1 or the last.
+      sync_statistics: ``'auto'`` (default: synchronize over the towers the
+        layer is called in, nothing with one tower), ``'collective'``,
+        ``'nccl'``, ``'horovod'``, None (per-tower statistics, tf-keras'
+        behaviour) or a :class:`tf1_syncbn.SyncBackend`.
+      num_dev: the number of towers, for towers built as ``tower_<i>`` /
+        ``clone_<i>`` name scopes without a tower context.
+      **kwargs: tf-keras' others: ``renorm``, ``renorm_clipping``,
+        ``renorm_momentum``, ``fused``, ``trainable``, ``virtual_batch_size``,
+        ``adjustment``, ``name``, ``dtype`` (a mixed-precision policy
+        included), ...
+
+    Hangs: a synchronized training call waits in its all-reduces for every
+    tower of its group, and the updates wait for the towers' statistics: run
+    every tower's forward pass in one ``session.run`` (see the README's "When
+    synchronization hangs"); the collective backend's timeout turns a missing
+    tower into an error.
+    """
+
+    def __init__(self, axis=-1, momentum=0.99, epsilon=1e-3, center=True, scale=True,
+                 beta_initializer='zeros', gamma_initializer='ones',
+                 moving_mean_initializer='zeros', moving_variance_initializer='ones',
+                 beta_regularizer=None, gamma_regularizer=None, beta_constraint=None,
+                 gamma_constraint=None, synchronized=False, *, sync_statistics='auto',
+                 num_dev=None, **kwargs):
+        super().__init__(
+            axis=axis, momentum=momentum, epsilon=epsilon, center=center, scale=scale,
+            beta_initializer=beta_initializer, gamma_initializer=gamma_initializer,
+            moving_mean_initializer=moving_mean_initializer,
+            moving_variance_initializer=moving_variance_initializer,
+            beta_regularizer=beta_regularizer, gamma_regularizer=gamma_regularizer,
+            beta_constraint=beta_constraint, gamma_constraint=gamma_constraint,
+            synchronized=synchronized, **kwargs)
+        self._init_sync(sync_statistics, num_dev, axis, kwargs.get('fused'))
+
+    def get_config(self):
+        return self._sync_config(super().get_config())
+
+
+class BatchNormalizationV1(_Synchronized, KERAS_BATCH_NORMALIZATION_V1):
+    """tf-keras' v1 ``BatchNormalization``, synchronized (see :class:`BatchNormalization`).
+
+    What ``tf.compat.v1.keras.layers.BatchNormalization`` is, and what
+    ``tf_keras.applications`` models build under ``disable_v2_behavior()``.
+    Its differences from :class:`BatchNormalization` are tf-keras': no
+    ``synchronized`` argument, ``fused=None`` means True, and
+    ``trainable=False`` does not switch to inference mode (a frozen layer
+    still normalizes a training batch with its statistics; its updates are
+    left out of ``layer.updates``).
+
+    Args:
+      *args, **kwargs: tf-keras' ``BatchNormalizationBase`` arguments.
+      sync_statistics, num_dev: as for :class:`BatchNormalization`.
+    """
+
+    def __init__(self, *args, sync_statistics='auto', num_dev=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_sync(sync_statistics, num_dev, args[0] if args else kwargs.get('axis', -1),
+                        args[16] if len(args) > 16 else kwargs.get('fused'))
+
+    def get_config(self):
+        return self._sync_config(super().get_config())
+
+
+# tf-keras' v1 class is named BatchNormalization too: Keras derives the default
+# layer name (batch_normalization, so the weights' names) and the class name of
+# configs from it.
+BatchNormalizationV1.__name__ = BatchNormalizationV1.__qualname__ = 'BatchNormalization'
+
+
+def patch_keras(sync_statistics='auto', num_dev=None):
+    """Makes tf-keras' ``BatchNormalization`` this library's, in loaded modules and new models.
+
+    After this call, code that builds tf-keras' layer builds
+    :class:`BatchNormalization` (tf-keras' v1 class: :class:`BatchNormalizationV1`)
+    instead: ``tf_keras.layers.BatchNormalization``,
+    ``tf.keras.layers.BatchNormalization`` and
+    ``tf.compat.v1.keras.layers.BatchNormalization`` with
+    ``TF_USE_LEGACY_KERAS=1``, the names your modules imported it as (``from
+    tf_keras.layers import BatchNormalization as BN`` included), the
+    ``tf_keras.applications`` models and models deserialized from a config::
+
+        import tf1_syncbn.keras
+        tf1_syncbn.keras.patch_keras(num_dev=4)     # before the model is built
+        model = tf_keras.applications.ResNet50(weights=None, classes=10)
+
+    Weights keep tf-keras' names, so tf-keras checkpoints and weight files
+    load unchanged. Layers built before the call stay tf-keras'. The patch is
+    process-wide (do not build another model in another thread meanwhile);
+    undo it with ``restore()`` or a ``with`` block.
+
+    Args:
+      sync_statistics: the layers' default ``sync_statistics`` while the patch
+        is active (``'auto'``: synchronize over the towers they are called in).
+      num_dev: the layers' default ``num_dev`` (the number of towers of a
+        script whose towers are ``tower_<i>`` name scopes).
+
+    Returns:
+      A handle with ``restore()``, usable as a context manager.
+
+    Raises:
+      RuntimeError: when a patch is already active.
+    """
+    defaults = {'sync_statistics': sync_statistics, 'num_dev': num_dev}
+    return ClassPatch('patch_keras', {
+        KERAS_BATCH_NORMALIZATION: class_with_defaults(BatchNormalization, defaults),
+        KERAS_BATCH_NORMALIZATION_V1: class_with_defaults(BatchNormalizationV1, defaults),
+    }).apply()
