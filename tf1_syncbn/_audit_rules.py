@@ -201,12 +201,16 @@ def _layer(key, group, found):
     """The :class:`LayerAudit` of one layer from its towers' instances."""
     index, reached = found['index'], found['reached']
     training = [i for i in group if i.training]
+    # With a train op, copies that the step never runs (a Keras model's own
+    # graph on its keras.Input placeholders, next to the towers that call the
+    # model) are not among the towers it synchronizes.
+    in_step = [i for i in training if i.reached(reached)] or training
     kinds = set().union(*(i.kinds for i in group))
     computation = ('tf1_syncbn' if 'library' in kinds else 'fused' if 'fused' in kinds else
                    'moments' if 'moments' in kinds else '-')
-    training_towers = _unique(i.tower for i in training)
-    synced_towers = _unique(i.tower for i in training if i.collectives)
-    forward = [c for i in training for c in i.collectives]
+    training_towers = _unique(i.tower for i in in_step)
+    synced_towers = _unique(i.tower for i in in_step if i.collectives)
+    forward = [c for i in in_step for c in i.collectives]
     described = [collective_group(c) for c in forward]
     backends = {b for b, _ in described}
     sizes = sorted({s for _, s in described if s})
