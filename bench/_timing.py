@@ -1,10 +1,10 @@
 """Interleaved timing and the machine line shared by the benchmark scripts."""
 
 import os
-import platform
 import time
 
 import numpy as np
+from _machine import cpu_model
 
 
 def median_times(runs, steps, warmup, block=5, between_rounds=None):
@@ -38,18 +38,6 @@ def median_times(runs, steps, warmup, block=5, between_rounds=None):
             for name, values in between_rounds().items():
                 times.setdefault(name, []).extend(values)
     return {name: 1e3 * float(np.median(t)) for name, t in times.items()}
-
-
-def cpu_model():
-    """The CPU model name (``/proc/cpuinfo``, else ``platform.processor()``)."""
-    try:
-        with open('/proc/cpuinfo') as f:
-            for line in f:
-                if line.startswith('model name'):
-                    return line.split(':', 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine_line():

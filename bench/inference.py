@@ -8,13 +8,15 @@ Prints the median time of one forward pass (default 32x28x28x64, float32) of:
 * ``separate_ops``: the hand-written batch norm of the seed question
   (``rsqrt`` / multiply / subtract / add as separate ops);
 
-and the ratios. The variants run interleaved in one process. Each step
-fetches a scalar that depends on the whole output.
+and the ratios, and the machine. The variants run interleaved in one
+process. Each step fetches a scalar that depends on the whole output.
+``--device gpu`` runs them on ``'/gpu:0'`` and prints the GPUs too.
 
-Usage: python bench/inference.py [--shape 32,28,28,64] [--steps 50]
+Usage: python bench/inference.py [--shape 32,28,28,64] [--steps 50] [--device cpu|gpu]
 """
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -24,7 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from _timing import median_times  # noqa: E402
+from _devices import on_devices, towers_on  # noqa: E402
+from _machine import gpu_line  # noqa: E402
+from _timing import machine_line, median_times  # noqa: E402
 
 from tf1_syncbn import sync_batch_norm  # noqa: E402
 
@@ -63,38 +67,51 @@ def ours(x):
                            param_initializers=INITIALIZERS)
 
 
-def build(layer, shape):
+def build(layer, shape, setup=None):
+    """One graph and session of ``layer``: on one CPU, or on ``setup``'s GPU (``_devices``)."""
     graph = tf.Graph()
-    with graph.as_default():
+    gpu = setup is not None and setup.kind == 'gpu'
+    place = tf.device(setup.devices[0]) if gpu else contextlib.nullcontext()
+    with graph.as_default(), place:
         x = tf1.Variable(np.random.RandomState(0).randn(*shape).astype(np.float32),
                          trainable=False, name='x')
         with tf1.variable_scope('bn'):
             y = layer(x)
         fetch = tf.reduce_sum(y)
         init = tf1.global_variables_initializer()
-    sess = tf1.Session(graph=graph, config=tf1.ConfigProto(device_count={'CPU': 1}))
+    config = setup.config if gpu else tf1.ConfigProto(device_count={'CPU': 1})
+    sess = tf1.Session(graph=graph, config=config)
     sess.run(init)
     return sess, fetch
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--shape', default='32,28,28,64')
     parser.add_argument('--steps', type=int, default=50)
     parser.add_argument('--warmup', type=int, default=5)
-    args = parser.parse_args()
+    parser.add_argument('--device', choices=('cpu', 'gpu'), default='cpu',
+                        help='one CPU (default) or the first GPU')
+    args = parser.parse_args(argv)
+    try:
+        setup = towers_on(args.device, 1)
+    except ValueError as e:
+        parser.error(str(e))
     tf1.disable_eager_execution()
     shape = tuple(int(s) for s in args.shape.split(','))
     variants = [('fused', fused), ('sync_batch_norm', ours), ('separate_ops', separate_ops)]
-    runs = {name: build(layer, shape) for name, layer in variants}
+    runs = {name: build(layer, shape, setup) for name, layer in variants}
     med = median_times(runs, args.steps, args.warmup)
-    print('inference forward, %s, median of %d steps (ms)' % ('x'.join(map(str, shape)),
-                                                              args.steps))
+    print('inference forward, %s%s, median of %d steps (ms)'
+          % ('x'.join(map(str, shape)), on_devices(setup), args.steps))
     for name, _ in variants:
         print('  %-16s %8.3f ms' % (name, med[name]))
     print('  ratio sync_batch_norm / fused: %.3fx  (target <= 1.05x)'
           % (med['sync_batch_norm'] / med['fused']))
     print('  ratio separate_ops / fused:    %.3fx' % (med['separate_ops'] / med['fused']))
+    print(machine_line())
+    if setup.kind == 'gpu':
+        print(gpu_line())
 
 
 if __name__ == '__main__':

@@ -1,8 +1,8 @@
 """A whole network's SGD training step: synchronized vs per-tower batch norm.
 
 Builds ``resnet_v1_50`` from ``tf_slim.nets`` with :func:`tf1_syncbn.sync_arg_scope`
-on N virtual CPU towers (default 4 towers x 4 images of 64x64), one SGD step
-per ``Session.run``, and compares:
+on N virtual CPU towers (default 4 towers x 4 images of 64x64; ``--device gpu``:
+GPU towers, see below), one SGD step per ``Session.run``, and compares:
 
 * ``unsync``: the same layer, ``sync_batch_norm(sync_statistics=None)``:
   per-tower statistics, one fused kernel each way (the anchor);
@@ -34,8 +34,15 @@ timeout at all. The thread count printed after timing shows that the timeout
 costs no threads per collective (TensorFlow's own per-op timeout would start
 two per collective execution).
 
+``--device gpu`` puts tower ``i`` on ``'/gpu:<i>'`` (with fewer physical GPUs
+than towers, each GPU split into logical GPUs, as the output says; see
+``bench/_devices.py``), and prints the GPUs. GPU towers always run
+TensorFlow's kernels, so ``--stock`` adds nothing there, and the memory runs
+are left out (they measure the host's resident memory, not the GPU's).
+
 Usage: python bench/network_step.py [--towers 4] [--batch 4] [--size 64]
            [--steps 20] [--warmup 3] [--stock] [--no-memory] [--timeout S]
+           [--device cpu|gpu]
 """
 
 import argparse
@@ -52,12 +59,14 @@ sys.path.insert(0, _HERE)
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from _devices import on_devices, towers_on  # noqa: E402
+from _machine import gpu_line  # noqa: E402
 from _timing import machine_line, median_times  # noqa: E402
 from tf_slim.nets import resnet_v1  # noqa: E402
 
 from tf1_syncbn import CollectiveBackend, kernels, sync_arg_scope  # noqa: E402
 from tf1_syncbn.backends import DEFAULT_TIMEOUT  # noqa: E402
-from tower import average_gradients, call_for_each_tower, virtual_cpu_config  # noqa: E402
+from tower import average_gradients, call_for_each_tower  # noqa: E402
 
 tf1 = tf.compat.v1
 NUM_CLASSES = 10
@@ -69,8 +78,11 @@ def backend(timeout):
     return CollectiveBackend(timeout=timeout)
 
 
-def build(variant, towers, batch, size, timeout=DEFAULT_TIMEOUT):
-    """One graph and session of ``variant``; returns ``(session, fetch, graph)``."""
+def build(variant, setup, batch, size, timeout=DEFAULT_TIMEOUT):
+    """One graph and session of ``variant``; returns ``(session, fetch, graph)``.
+
+    ``setup``: the towers' devices and session config (``_devices.TowerSetup``).
+    """
     graph = tf.Graph()
     with graph.as_default(), kernels.use_custom_kernels(variant != 'sync_stock'):
         rng = np.random.RandomState(0)
@@ -91,8 +103,7 @@ def build(variant, towers, batch, size, timeout=DEFAULT_TIMEOUT):
                                                            loss_collection=None)
             return optimizer.compute_gradients(loss, tf1.trainable_variables('resnet_v1_50/'))
 
-        grads = average_gradients(call_for_each_tower(
-            tower, ['/cpu:%d' % i for i in range(towers)]))
+        grads = average_gradients(call_for_each_tower(tower, setup.devices))
         with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
             train = optimizer.apply_gradients(grads)
         # One scalar that depends on every averaged gradient, fetched after the update.
@@ -100,7 +111,7 @@ def build(variant, towers, batch, size, timeout=DEFAULT_TIMEOUT):
         with tf.control_dependencies([train]):
             fetch = tf.identity(checksum, name='step')
         init = tf1.global_variables_initializer()
-    sess = tf1.Session(graph=graph, config=virtual_cpu_config(towers))
+    sess = tf1.Session(graph=graph, config=setup.config)
     sess.run(init)
     return sess, fetch, graph
 
@@ -117,9 +128,9 @@ def graph_counts(graph, towers):
     return collectives, layers, len(bn_ops) / float(layers)
 
 
-def measure_memory(variant, args):
+def measure_memory(variant, args, setup):
     """Runs in a fresh process: builds ``variant``, runs steps, prints ru_maxrss (MB)."""
-    sess, fetch, _ = build(variant, args.towers, args.batch, args.size, args.timeout)
+    sess, fetch, _ = build(variant, setup, args.batch, args.size, args.timeout)
     for _ in range(args.memory_steps):
         sess.run(fetch)
     print(json.dumps({'variant': variant, 'peak_mb': peak_rss_mb(), 'threads': thread_count()}))
@@ -159,7 +170,7 @@ def memory_in_subprocess(variant, args):
     return json.loads(out.strip().splitlines()[-1])
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--towers', type=int, default=4)
     parser.add_argument('--batch', type=int, default=4, help='images per tower')
@@ -175,20 +186,32 @@ def main():
                         help="the collective backend's timeout in seconds (default: the "
                         "library's, %g; 0: none)" % DEFAULT_TIMEOUT)
     parser.add_argument('--memory-of', choices=VARIANTS, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument('--device', choices=('cpu', 'gpu'), default='cpu',
+                        help='tower devices: virtual CPUs (default) or GPUs')
+    args = parser.parse_args(argv)
+    try:
+        setup = towers_on(args.device, args.towers)
+    except ValueError as e:
+        parser.error(str(e))
     tf1.disable_eager_execution()
     if args.memory_of:
-        measure_memory(args.memory_of, args)
+        measure_memory(args.memory_of, args, setup)
         return
     variants = ['unsync', 'sync'] + (['sync_stock'] if args.stock else [])
-    built = {name: build(name, args.towers, args.batch, args.size, args.timeout)
+    built = {name: build(name, setup, args.batch, args.size, args.timeout)
              for name in variants}
     med = median_times({name: b[:2] for name, b in built.items()}, args.steps, args.warmup,
                        block=3)
-    print('resnet_v1_50 SGD step, %d towers x %d images of %dx%d, median of %d steps'
-          % (args.towers, args.batch, args.size, args.size, args.steps))
+    print('resnet_v1_50 SGD step, %d towers x %d images of %dx%d%s, median of %d steps'
+          % (args.towers, args.batch, args.size, args.size, on_devices(setup), args.steps))
     print(machine_line())
-    print('kernels: %s; sync backend: %r' % (kernels.status(), backend(args.timeout)))
+    if setup.kind == 'gpu':
+        print(gpu_line())
+        for note in setup.notes:
+            print('note: ' + note)
+    print('kernels: %s; sync backend: %r' % (
+        "GPU towers: TensorFlow's kernels" if setup.kind == 'gpu' else kernels.status(),
+        backend(args.timeout)))
     for name in variants:
         collectives, layers, per_layer = graph_counts(built[name][2], args.towers)
         print('  %-11s %8.1f ms  %.3fx   %4d collectives/step, %d layers, %5.1f ops per '
@@ -200,7 +223,10 @@ def main():
     print('  threads in this process after timing: %d' % thread_count())
     for _, (sess, _, _) in built.items():
         sess.close()
-    if args.no_memory:
+    if args.no_memory or setup.kind == 'gpu':
+        if setup.kind == 'gpu' and not args.no_memory:
+            print('peak memory: not measured on GPU towers (the memory runs measure the '
+                  "host's resident memory)")
         return
     peaks = {name: [] for name in variants}
     for _ in range(args.memory_repeats):

@@ -1,4 +1,4 @@
-"""Forward+backward step time of synchronized batch norm on N virtual CPU towers.
+"""Forward+backward step time of synchronized batch norm on N towers (virtual CPUs or GPUs).
 
 Prints, for one shape on N towers (default 4 x 32x28x28x64), the median step
 time of:
@@ -15,8 +15,14 @@ and the ratios between them. All variants run in one process, interleaved
 round by round, so the ratios compare like with like. Every step fetches one
 scalar that depends on every gradient, so no gradient work can be skipped.
 
+``--device gpu`` puts tower ``i`` on ``'/gpu:<i>'`` (with fewer physical GPUs
+than towers, each GPU split into logical GPUs, as the output says; see
+``bench/_devices.py``). GPU towers always run TensorFlow's kernels (cuDNN,
+XLA), so there ``sync_stock_kernels`` builds the same graph as
+``sync_batch_norm``.
+
 Usage: python bench/sync_step.py [--towers 4] [--shape 32,28,28,64] [--steps 30]
-           [--timeout S]
+           [--timeout S] [--device cpu|gpu]
 """
 
 import argparse
@@ -29,11 +35,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from _devices import on_devices, towers_on  # noqa: E402
+from _machine import gpu_line  # noqa: E402
 from _timing import machine_line, median_times  # noqa: E402
 from tensorflow.python.ops import collective_ops  # noqa: E402
 
 from tf1_syncbn import CollectiveBackend, kernels, sync_batch_norm  # noqa: E402
-from tower import call_for_each_tower, get_current_tower_context, virtual_cpu_config  # noqa: E402
+from tower import call_for_each_tower, get_current_tower_context  # noqa: E402
 
 tf1 = tf.compat.v1
 EPS = 1e-3
@@ -90,7 +98,8 @@ def sync_layer_stock(x):
         return sync_layer(x)
 
 
-def build(layer, towers, shape):
+def build(layer, setup, shape):
+    """One graph and session of ``layer`` on the towers of ``setup`` (``_devices.TowerSetup``)."""
     graph = tf.Graph()
     with graph.as_default():
         rng = np.random.RandomState(0)
@@ -109,15 +118,15 @@ def build(layer, towers, shape):
             # One scalar that depends on every gradient (and the output).
             return tf.add_n([tf.reduce_sum(g) for g in grads] + [tf.reduce_sum(y)])
 
-        outs = call_for_each_tower(tower, ['/cpu:%d' % i for i in range(towers)])
+        outs = call_for_each_tower(tower, setup.devices)
         fetch = tf.add_n(outs)
         init = tf1.global_variables_initializer()
-    sess = tf1.Session(graph=graph, config=virtual_cpu_config(towers))
+    sess = tf1.Session(graph=graph, config=setup.config)
     sess.run(init)
     return sess, fetch
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--towers', type=int, default=4)
     parser.add_argument('--shape', default='32,28,28,64')
@@ -126,21 +135,33 @@ def main():
     parser.add_argument('--timeout', type=float, default=None,
                         help="the collective backend's timeout in seconds (default: the "
                         "library's default; 0: none)")
-    args = parser.parse_args()
+    parser.add_argument('--device', choices=('cpu', 'gpu'), default='cpu',
+                        help='tower devices: virtual CPUs (default) or GPUs')
+    args = parser.parse_args(argv)
+    try:
+        setup = towers_on(args.device, args.towers)
+    except ValueError as e:
+        parser.error(str(e))
     if args.timeout is not None:
         BACKEND[0] = CollectiveBackend(timeout=args.timeout)
     tf1.disable_eager_execution()
     shape = tuple(int(s) for s in args.shape.split(','))
     variants = [('fused', fused_layer), ('sync_batch_norm', sync_layer),
                 ('sync_stock_kernels', sync_layer_stock), ('seed', seed_layer)]
-    runs = {name: build(layer, args.towers, shape) for name, layer in variants}
+    runs = {name: build(layer, setup, shape) for name, layer in variants}
     med = median_times(runs, args.steps, args.warmup)
-    print('forward+backward, %d towers of %s, median of %d steps (ms)'
-          % (args.towers, 'x'.join(map(str, shape)), args.steps))
+    print('forward+backward, %d towers of %s%s, median of %d steps (ms)'
+          % (args.towers, 'x'.join(map(str, shape)), on_devices(setup), args.steps))
     for name, _ in variants:
         print('  %-19s %8.2f ms' % (name, med[name]))
     print(machine_line())
-    print('kernels: %s; sync backend: %r' % (kernels.status(), BACKEND[0]))
+    if setup.kind == 'gpu':
+        print(gpu_line())
+        for note in setup.notes:
+            print('note: ' + note)
+    print('kernels: %s; sync backend: %r' % (
+        'GPU towers: TensorFlow\'s kernels' if setup.kind == 'gpu' else kernels.status(),
+        BACKEND[0]))
     print('  ratio sync_batch_norm / fused: %.2fx  (target <= 1.15x)'
           % (med['sync_batch_norm'] / med['fused']))
     print('  ratio sync_stock_kernels / fused: %.2fx' % (med['sync_stock_kernels'] / med['fused']))
