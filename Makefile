@@ -95,5 +95,15 @@ bench: $(VENV)/.installed kernels
 	$(PY) bench/sync_step.py
 	$(PY) bench/network_step.py
 
+# On a machine with NVIDIA GPUs: the GPU tests in both TF behaviours, the
+# self-test and bench/ on GPU towers, in .venv when its TensorFlow sees the
+# GPUs, else in .venv-gpu (tensorflow[and-cuda], set up once); the figures go
+# to bench/results/gpu-check-*.md (docs/gpus.md). Without a GPU it says so and
+# exits 0. Extra arguments: GPU_CHECK_ARGS='--no-bench'.
+GPU_CHECK_ARGS ?=
+.PHONY: gpu-check
+gpu-check:
+	$(PYTHON) tools/gpu_check.py $(GPU_CHECK_ARGS)
+
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache docs/_build
