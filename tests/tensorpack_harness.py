@@ -66,7 +66,7 @@ KERNEL_SETS = CONFIG.get('kernel_sets', ['custom'])
 SUFFIX = {'channels_last': '', 'channels_first': '-nchw', 'custom': '', 'stock': '@stock'}
 KERNEL_OPS = ('SyncBnMoments', 'SyncBnNormalize', 'SyncBnGradSums', 'SyncBnGradInput')
 MOMENTUM = 0.8
-SHAPE = (6, 6, 3)
+SHAPE = tuple(CONFIG.get('shape', (6, 6, 3)))
 CLASSES = 4
 
 
@@ -202,7 +202,7 @@ def _session_config(towers):
                               use_per_session_threads=True)
 
 
-def train(name, model, trainer, towers):
+def train(name, model, trainer, towers, session_init=None):
     batch = GLOBAL_BATCH // towers
     data = DataFromList([[IMAGES[i], LABELS[i]] for i in range(STEPS * GLOBAL_BATCH)],
                         shuffle=False)
@@ -212,7 +212,7 @@ def train(name, model, trainer, towers):
         config = TrainConfig(
             model=model, dataflow=BatchData(data, batch),
             callbacks=[RecordLosses(sink), ModelSaver(checkpoint_dir=ckpt_dir)], monitors=[],
-            session_config=_session_config(towers),
+            session_config=_session_config(towers), session_init=session_init,
             steps_per_epoch=STEPS, max_epoch=1)
         launch_train_with_config(config, trainer)
     path = tf.train.latest_checkpoint(ckpt_dir)
