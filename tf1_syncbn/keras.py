@@ -229,15 +229,21 @@ class BatchNormalization(_Synchronized, KERAS_BATCH_NORMALIZATION):
       moving statistics once per step. Run them in the step that runs every
       tower's forward pass;
     * **the model's own graph**: the call that a functional model makes on its
-      ``keras.Input`` when it is constructed outside any tower normalizes
-      that batch on one device (there is no tower to synchronize with).
+      ``keras.Input(shape=...)`` placeholders when it is constructed (the
+      towers then call the model on their batches) normalizes that batch on
+      one device, wherever the model is built; a model built on a tower's
+      tensor (``keras.Input(tensor=x)``) is that tower's;
+    * **axes**: every form tf-keras takes (a middle axis, several axes, with
+      ``virtual_batch_size``) but the batch axis 0, through a view of the
+      input (:mod:`tf1_syncbn._axes`).
 
     Args:
       axis, momentum, epsilon, center, scale, beta_initializer,
         gamma_initializer, moving_mean_initializer,
         moving_variance_initializer, beta_regularizer, gamma_regularizer,
-        beta_constraint, gamma_constraint, synchronized: tf-keras'.
-        ``axis`` must name one channel axis, 1 or the last.
+        beta_constraint, gamma_constraint, synchronized: tf-keras'
+        (``synchronized=True`` only turns tf-keras' fused path off, as in
+        tf-keras: the statistics are synchronized by ``sync_statistics``).
       sync_statistics: ``'auto'`` (default: synchronize over the towers the
         layer is called in, nothing with one tower), ``'collective'``,
         ``'nccl'``, ``'horovod'``, None (per-tower statistics, tf-keras'
