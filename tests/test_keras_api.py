@@ -217,6 +217,9 @@ def test_num_dev_outside_any_tower_is_an_error_but_not_for_the_models_own_graph(
         with sync_keras.patch_keras(num_dev=2):
             model = tf_keras.Sequential([tf_keras.Input((4,)), tf_keras.layers.BatchNormalization(
                 name='bn')])                 # built on its keras.Input: fine
+            # (also where Keras casts the input to a mixed-precision compute dtype)
+            tf_keras.Sequential([tf_keras.Input((4,)), tf_keras.layers.BatchNormalization(
+                dtype='mixed_float16')])
         with pytest.raises(ValueError, match=r'BatchNormalization\(bn\): num_dev=2 but the '
                                              r'layer is built outside any tower'):
             model(tf1.placeholder(tf.float32, (None, 4)), training=True)

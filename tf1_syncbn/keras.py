@@ -27,6 +27,7 @@ from tensorflow.python.ops import control_flow_util_v2
 
 try:
     import tf_keras  # noqa: F401 - the package whose layer this module subclasses
+    from tf_keras.src.engine import base_layer_utils as _keras_layer_utils
     from tf_keras.src.layers.normalization import batch_normalization as _keras_bn
     from tf_keras.src.layers.normalization import batch_normalization_v1 as _keras_bn_v1
 except ImportError as _error:  # the message says how to install it
@@ -116,7 +117,7 @@ class _Synchronized(object):
         vbs = self.virtual_batch_size
         axes = keras_channel_axes(layer, self.axis, self._axis_argument, vbs)
         weights = self._mask_weights(layer, mask, rank)
-        one_device = is_model_graph_call(inputs)
+        one_device = is_model_graph_call(self._called_on(inputs))
         # Axes other than one channel axis 1 or last: the core normalizes a view
         # of the input in which they are one channel axis (tf1_syncbn._axes).
         view, source, adjustment = None, x, self.adjustment
@@ -159,6 +160,14 @@ class _Synchronized(object):
         if view is not None:
             outputs = from_view(outputs, source, view)
         return tf.cast(outputs, dtype) if outputs.dtype != dtype else outputs
+
+    def _called_on(self, inputs):
+        """What ``__call__`` received: Keras casts it to the compute dtype (mixed
+        precision) into a tensor without Keras' history."""
+        context = _keras_layer_utils.call_context()
+        if context.layer is self and context.inputs is not None:
+            return context.inputs
+        return inputs
 
     def _mask_weights(self, layer, mask, rank):
         """tf-keras' ``mask`` as the core's per-example weights (or None)."""
