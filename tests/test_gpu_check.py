@@ -29,7 +29,9 @@ for _folder in ('tools', 'bench'):
 import _devices  # noqa: E402
 import _machine  # noqa: E402
 import gpu_check  # noqa: E402
+import gpu_env  # noqa: E402
 import gpu_report  # noqa: E402
+import gpu_run  # noqa: E402
 
 import test_gpu  # noqa: E402
 import tf_behavior  # noqa: E402
@@ -208,7 +210,7 @@ PROBE_OK = {'python': '3.11.9', 'tensorflow': '2.21.0', 'cuda_build': True,
 ], ids=['ok', 'cpu-build', 'old-driver', 'older-minor', 'no-op', 'no-import'])
 def test_the_diagnosis_says_why_tensorflow_cannot_use_the_gpus(probe, driver_cuda, expected):
     log = 'W0000 cuda_dlopen: Could not load dynamic library libcudnn.so.9\nunrelated line\n'
-    found = gpu_check.diagnose(probe, log, ['GPU 0: x'], driver_cuda, environ={})
+    found = gpu_env.diagnose(probe, log, ['GPU 0: x'], driver_cuda, environ={})
     if not expected:
         assert found == ''
     else:
@@ -229,9 +231,9 @@ class FakeCommands(object):
     def __call__(self, cmd, env=None, timeout=None, echo=True):
         self.calls.append((list(cmd), dict(env or {})))
         if cmd[0] == 'git':
-            return gpu_check.Result(0, 'abc1234\n' if 'rev-parse' in cmd else '', 0.1)
-        if cmd[1:3] == ['-c', gpu_check.PROBE]:
-            return gpu_check.Result(0, 'log\n%s%s\n' % (gpu_check.PROBE_TAG,
+            return gpu_run.Result(0, 'abc1234\n' if 'rev-parse' in cmd else '', 0.1)
+        if cmd[1:3] == ['-c', gpu_env.PROBE]:
+            return gpu_run.Result(0, 'log\n%s%s\n' % (gpu_env.PROBE_TAG,
                                                         json.dumps(self.probe)), 2.0)
         if 'pytest' in cmd:
             behaviour = env['TF1_SYNCBN_TEST_BEHAVIOR']
@@ -239,8 +241,8 @@ class FakeCommands(object):
             failing = behaviour == self.failing_behaviour
             _junit(junit, [('test_renorm[NHWC]', 'failed' if failing else 'passed', 'bad'),
                            ('test_nccl', 'skipped', 'NCCL needs 2 distinct physical GPUs')])
-            return gpu_check.Result(1 if failing else 0, 'pytest %s output' % behaviour, 30.0)
-        return gpu_check.Result(0, 'figures of %s: 1.03x' % os.path.basename(cmd[1]), 10.0)
+            return gpu_run.Result(1 if failing else 0, 'pytest %s output' % behaviour, 30.0)
+        return gpu_run.Result(0, 'figures of %s: 1.03x' % os.path.basename(cmd[1]), 10.0)
 
 
 def _main(tmp_path, commands, *extra):
@@ -287,11 +289,21 @@ def test_the_whole_check_with_fake_commands(tmp_path, capsys):
 
 
 @pytest.mark.once
+def test_known_causes_of_a_failure_get_a_hint():
+    assert gpu_check.known_problems('... libdevice not found at ./libdevice.10.bc', True) == [
+        '- hint: ' + gpu_check.KNOWN_PROBLEMS[0][1]]
+    assert 'Out of GPU memory' in gpu_check.known_problems('ResourceExhaustedError: OOM', True)[0]
+    assert gpu_check.known_problems('libdevice', False) == []
+
+
+@pytest.mark.once
 def test_a_tensorflow_that_cannot_use_the_gpus_fails_after_writing_the_report(tmp_path):
     commands = FakeCommands(probe=dict(PROBE_OK, cuda_build=False, gpus=[]))
     status, reports, text = _main(tmp_path, commands, '--python', '/fake/python')
     assert status == 1 and len(reports) == 1
     assert '## Why the check could not run' in text and 'CPU-only build' in text
+    assert '| TensorFlow | 2.21.0, a CPU-only build |' in text
+    assert '| environment | given with --python (`/fake/python`) |' in text
     assert not [cmd for cmd, _ in commands.calls if 'pytest' in cmd]
 
 
@@ -310,6 +322,35 @@ def test_a_crash_of_the_check_itself_still_writes_what_ran(tmp_path):
 
 
 @pytest.mark.once
+def test_a_cpu_only_project_venv_leads_to_the_gpu_venv(tmp_path):
+    """Without --python: .venv when its TensorFlow sees the GPUs, else the GPU venv."""
+    venv = str(tmp_path / 'venv-gpu')
+    project = os.path.join(ROOT, '.venv', 'bin', 'python')
+
+    class Commands(FakeCommands):
+        def __call__(self, cmd, env=None, timeout=None, echo=True):
+            if cmd[1:3] == ['-m', 'venv']:
+                os.makedirs(os.path.join(venv, 'bin'))
+                open(os.path.join(venv, 'bin', 'python'), 'w').close()
+            if cmd[0] == project and cmd[1:3] == ['-c', gpu_env.PROBE]:
+                self.calls.append((list(cmd), {}))
+                return gpu_run.Result(0, gpu_env.PROBE_TAG + json.dumps(
+                    dict(PROBE_OK, cuda_build=False, gpus=[], gpu_names=[])), 1.0)
+            if cmd[1:3] == ['-c', 'import tensorflow as tf; print(tf.__version__)']:
+                return gpu_run.Result(0, '2.21.0\n', 1.0)
+            return FakeCommands.__call__(self, cmd, env, timeout, echo)
+
+    commands = Commands()
+    status, _, text = _main(tmp_path, commands, '--venv', venv, '--no-bench')
+    assert status == 0, text
+    gpu_python = os.path.join(venv, 'bin', 'python')
+    assert [c for c, _ in commands.calls if 'pytest' in c][0][0] == gpu_python
+    if os.path.exists(project):
+        assert '.venv not used (TensorFlow 2.21.0, no GPU)' in text
+    assert ['-e', '.[gpu,test]'] in [c[-2:] for c, _ in commands.calls]
+
+
+@pytest.mark.once
 def test_the_gpu_environment_is_set_up_once(tmp_path):
     venv = str(tmp_path / 'venv-gpu')
     calls = []
@@ -319,9 +360,9 @@ def test_the_gpu_environment_is_set_up_once(tmp_path):
         if cmd[1:3] == ['-m', 'venv']:
             os.makedirs(os.path.join(venv, 'bin'))
             open(os.path.join(venv, 'bin', 'python'), 'w').close()
-        return gpu_check.Result(0, '2.21.0\n' if '-c' in cmd else 'ok', 1.0)
+        return gpu_run.Result(0, '2.21.0\n' if '-c' in cmd else 'ok', 1.0)
 
-    python = gpu_check.ensure_gpu_venv(venv, '/usr/bin/python3', run)
+    python = gpu_env.ensure_gpu_venv(venv, '/usr/bin/python3', run)
     assert python == os.path.join(venv, 'bin', 'python')
     pip = [python, '-m', 'pip', '--disable-pip-version-check', 'install', '--progress-bar',
            'off']
@@ -331,8 +372,30 @@ def test_the_gpu_environment_is_set_up_once(tmp_path):
                      [python, '-c', 'import tensorflow as tf; print(tf.__version__)'],
                      pip + ['--no-deps', 'tf-keras~=2.21.0']]
     del calls[:]
-    assert gpu_check.ensure_gpu_venv(venv, '/usr/bin/python3', run) == python
+    assert gpu_env.ensure_gpu_venv(venv, '/usr/bin/python3', run) == python
     assert calls == []
+
+
+@pytest.mark.once
+def test_without_tf_keras_the_gpu_environment_is_used_and_set_up_again_next_time(tmp_path,
+                                                                                   capsys):
+    venv = str(tmp_path / 'venv-gpu')
+    os.makedirs(os.path.join(venv, 'bin'))
+    open(os.path.join(venv, 'bin', 'python'), 'w').close()
+    calls = []
+
+    def run(cmd, env=None, timeout=None, echo=True):
+        calls.append(cmd)
+        if '-c' in cmd:     # TensorFlow's log may come around the version
+            return gpu_run.Result(0, 'I0000 port.cc:153] oneDNN\n2.22.0rc1\nW0000 exit\n', 1)
+        return gpu_run.Result(1 if 'tf-keras~=2.22.0' in cmd else 0, 'no such version', 1)
+
+    python = gpu_env.ensure_gpu_venv(venv, '/usr/bin/python3', run)
+    assert python == os.path.join(venv, 'bin', 'python')
+    assert "warning: `" in capsys.readouterr().out
+    assert len(calls) == 4     # no venv to create; pip, the project, the version, tf-keras
+    gpu_env.ensure_gpu_venv(venv, '/usr/bin/python3', run)
+    assert len(calls) == 8
 
 
 @pytest.mark.once
