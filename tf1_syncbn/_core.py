@@ -12,6 +12,14 @@ library's names, and calls :func:`batch_norm` with the input. Here, in stages:
    training, inference, or a tensor switch between them;
 4. build the moving-average updates on the main tower and share a trigger of
    them with the other towers (:mod:`tf1_syncbn._updates`).
+
+Every front-end's entry point is marked
+``tf.autograph.experimental.do_not_convert``: graph-building code that
+branches on Python values, never to be rewritten by AutoGraph, which
+``tf.map_fn``, ``tf.scan`` and ``tf.function`` apply to the functions they
+are given and, recursively, to everything those call (AutoGraph's conversion
+of the layers failed there at random, its cache handing one function's
+conversion to another).
 """
 
 import tensorflow as tf

@@ -216,6 +216,7 @@ class BatchNormalization(object):
         """Same as calling the layer."""
         return self(inputs, *args, **kwargs)
 
+    @tf.autograph.experimental.do_not_convert     # (see tf1_syncbn._core)
     def __call__(self, inputs, training=False, **kwargs):
         """Normalizes ``inputs``; the first call creates the variables.
 
@@ -391,6 +392,7 @@ class _Function(BatchNormalization):
     _api_name = 'batch_normalization'
 
 
+@tf.autograph.experimental.do_not_convert     # (see tf1_syncbn._core)
 def batch_normalization(inputs, axis=-1, momentum=0.99, epsilon=1e-3, center=True, scale=True,
                         beta_initializer=tf1.zeros_initializer(),
                         gamma_initializer=tf1.ones_initializer(),

@@ -20,6 +20,7 @@ _PARAM_REGULARIZER_KEYS = ('beta', 'gamma')
 
 
 @add_arg_scope
+@tf.autograph.experimental.do_not_convert     # (see tf1_syncbn._core)
 def sync_batch_norm(inputs,
                     decay=0.999,
                     center=True,

@@ -163,6 +163,7 @@ def _holder(**variables):
 
 
 @tensorpack_layer
+@tf.autograph.experimental.do_not_convert     # (see tf1_syncbn._core)
 def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_UNSET, epsilon=1e-5,
               center=_UNSET, scale=_UNSET, beta_initializer=None, gamma_initializer=_UNSET,
               virtual_batch_size=None, data_format='channels_last', ema_update='default',
@@ -320,6 +321,7 @@ def _attach_variables(tensor, **variables):
 
 
 @tensorpack_layer
+@tf.autograph.experimental.do_not_convert     # (see tf1_syncbn._core)
 def BatchRenorm(name, x, rmax, dmax, *, momentum=0.9, epsilon=1e-5, center=True, scale=True,
                 gamma_initializer=None, data_format='channels_last', sync_statistics=None,
                 training=None, **legacy_kwargs):
