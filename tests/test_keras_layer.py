@@ -4,18 +4,18 @@ The invariant: N synchronized towers give what tf-keras' own
 ``BatchNormalization`` gives on one device with the concatenated batch (here:
 3 towers of 3, 0 and 5 examples): outputs, input and parameter gradients and
 every weight by name, the moving statistics included, over three SGD steps;
-one tower gives it too (one case per path, :data:`ONE_TOWER_CASES`). The moving variance tracks the Bessel-corrected
-batch variance where tf-keras runs its fused kernel (rank 4 and 5, axis 1 or
-last, no renorm or adjustment), the biased one elsewhere (rank 2 and 3,
-``fused=False``, ``synchronized=True``, renorm, adjustment, a mask).
+one tower gives it too (one case per path, :data:`ONE_TOWER_CASES`). The
+moving variance tracks the Bessel-corrected batch variance where tf-keras runs
+its fused kernel (rank 4 and 5, axis 1 or last, no renorm or adjustment), the
+biased one elsewhere (rank 2 and 3, ``fused=False``, ``synchronized=True``,
+renorm, adjustment, a mask).
 
 The TF1-behaviour pass runs the cases whose paths TF1 behaviour changes
 (``keras_cases.V1_NAMES``). The reference is tf-keras itself, run once for
-all cases in a subprocess
-with legacy Keras in the same TF behaviour (``reference_cases``). The
-multi-tower cases run on the compiled CPU kernels here, and those of
-:data:`STOCK_CASES` on TensorFlow's stock kernels with oneDNN off (what GPU
-towers run) in a child pytest (``without_onednn``).
+all cases in a subprocess with legacy Keras in the same TF behaviour
+(``reference_cases``). The multi-tower cases run on the compiled CPU kernels
+here, and those of :data:`STOCK_CASES` on TensorFlow's stock kernels with
+oneDNN off (what GPU towers run) in a child pytest (``without_onednn``).
 """
 
 import contextlib
