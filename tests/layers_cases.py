@@ -20,6 +20,8 @@ record with :func:`run_scenario`.
 import numpy as np
 import tensorflow as tf
 
+import tf_behavior
+
 tf1 = tf.compat.v1
 
 # ---------------------------------------------------------------------------
@@ -142,6 +144,21 @@ PARITY_CASES = [
           sizes=[4, 4], kwargs={'virtual_batch_size': 4}),
 ]
 assert len({c['name'] for c in PARITY_CASES}) == len(PARITY_CASES)
+# The TF1-behaviour pass (tf_behavior.pick; the reference script imports this
+# module, so both sides run the same cases): one case per path that TF1
+# behaviour changes (ranks and axis forms: shapes; fused and not: reads of
+# reference variables; a bool-tensor training: v1 tf.cond and tf.layers' TF1
+# ghost batches; renorm; adjustment; partitions; 16-bit types; the large mean).
+V1_NAMES = ('rank2', 'rank3-axis1', 'rank5-axis-last-momentum_tensor', 'rank5-axis-4-object',
+            'fused=False-rank4-axis1', 'training_tensor-rank4', 'training_tensor-rank3-axis1',
+            'training_tensor-rank2-object', 'trainable=False-rank4',
+            'renorm-clipped-rank4-axis1', 'renorm-training_tensor-rank4-axis1',
+            'adjustment-rank4-axis1', 'float16-rank4', 'bfloat16-rank3', 'mean1e4-rank4',
+            'partitioned-rank4', 'rank4-axis2-middle', 'rank4-axis[3,1]-apart',
+            'rank5-axis-3-middle-training_tensor', 'renorm-rank4-axis[1,3]-training_tensor',
+            'virtual_batch-rank5-axis[1,4]')
+PARITY_CASES = tf_behavior.pick(PARITY_CASES, [c for c in PARITY_CASES
+                                               if c['name'] in V1_NAMES])
 
 
 def adjustment_for(case):

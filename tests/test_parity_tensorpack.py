@@ -29,6 +29,7 @@ import tensorflow as tf
 from bn_reference import bn_forward
 from conftest import make_session
 import reference_cases
+import tf_behavior
 from parity_harness import DEFAULT_SIZES, assert_same_numbers, train_case
 import tf1_syncbn
 from tf1_syncbn import BatchNorm, CollectiveBackend
@@ -113,6 +114,13 @@ CASES = [
     _case('renorm-4d-channels_first', [8, 3, 3, 2], 'BatchRenorm',
           kwargs={'rmax': 3.0, 'dmax': 5.0, 'data_format': 'channels_first'}),
 ]
+# The TF1-behaviour pass (tf_behavior.pick): one case per path that TF1
+# behaviour changes (reads of reference variables on the fast, ghost and renorm
+# paths; the EMA update modes; layouts; 16-bit types; the large mean).
+V1_NAMES = ('2d', '2d-ema-skip', '4d-channels_first', '4d-ema-internal', '4d-tiny-variance',
+            '4d-bfloat16-channels_first', '2d-float16', '4d-mean1e4', '4d-ghost-channels_last',
+            'renorm-4d-channels_first', 'renorm-4d-mean1e4')
+CASES = tf_behavior.pick(CASES, [c for c in CASES if c['name'] in V1_NAMES])
 NAMES = [c['name'] for c in CASES]
 
 
