@@ -157,6 +157,8 @@ V1_NAMES = ('rank2', 'rank3-axis1', 'rank5-axis-last-momentum_tensor', 'rank5-ax
             'partitioned-rank4', 'rank4-axis2-middle', 'rank4-axis[3,1]-apart',
             'rank5-axis-3-middle-training_tensor', 'renorm-rank4-axis[1,3]-training_tensor',
             'virtual_batch-rank5-axis[1,4]')
+#: Every case, whichever the behaviour (the Horovod suite picks its own).
+ALL_PARITY_CASES = PARITY_CASES
 PARITY_CASES = tf_behavior.pick(PARITY_CASES, [c for c in PARITY_CASES
                                                if c['name'] in V1_NAMES])
 

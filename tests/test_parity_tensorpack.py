@@ -120,6 +120,8 @@ CASES = [
 V1_NAMES = ('2d', '2d-ema-skip', '4d-channels_first', '4d-ema-internal', '4d-tiny-variance',
             '4d-bfloat16-channels_first', '2d-float16', '4d-mean1e4', '4d-ghost-channels_last',
             'renorm-4d-channels_first', 'renorm-4d-mean1e4')
+#: Every case, whichever the behaviour (the Horovod suite picks its own).
+ALL_CASES = CASES
 CASES = tf_behavior.pick(CASES, [c for c in CASES if c['name'] in V1_NAMES])
 NAMES = [c['name'] for c in CASES]
 

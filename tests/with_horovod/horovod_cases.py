@@ -51,11 +51,11 @@ GHOST_LAYOUTS = {
 
 def _source_cases(front_end):
     if front_end == 'slim':
-        from test_parity_slim import CASES  # noqa: PLC0415
+        from test_parity_slim import ALL_CASES as CASES  # noqa: PLC0415
     elif front_end == 'tensorpack':
-        from test_parity_tensorpack import CASES  # noqa: PLC0415
+        from test_parity_tensorpack import ALL_CASES as CASES  # noqa: PLC0415
     else:
-        from layers_cases import PARITY_CASES as CASES  # noqa: PLC0415
+        from layers_cases import ALL_PARITY_CASES as CASES  # noqa: PLC0415
     return CASES
 
 
