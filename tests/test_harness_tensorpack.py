@@ -26,10 +26,12 @@ import os
 import numpy as np
 import pytest
 
+import tf_behavior
 from legacy_reference import run_reference
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TOWERS = [2, 4]
+# The TF1-behaviour pass (tf_behavior.pick): 2 towers, the stock kernels with oneDNN off.
+TOWERS = tf_behavior.pick([2, 4], [2])
 CONFIG = {'towers': TOWERS, 'steps': 4, 'global_batch': 8,
           'data_formats': ['channels_last', 'channels_first'], 'hang_seconds': 240}
 EPS = 1e-5
@@ -38,7 +40,8 @@ PROCESSES = {
     'onednn-on': ({'TF1_SYNCBN_KERNELS': '1'}, ['custom']),
     'onednn-off': ({'TF1_SYNCBN_KERNELS': '0', 'TF_ENABLE_ONEDNN_OPTS': '0'}, ['stock']),
 }
-KERNEL_SETS = [('onednn-on', 'custom'), ('onednn-off', 'stock')]
+KERNEL_SETS = tf_behavior.pick([('onednn-on', 'custom'), ('onednn-off', 'stock')],
+                               [('onednn-off', 'stock')])
 SUFFIX = {'custom': '', 'stock': '@stock'}
 
 

@@ -37,6 +37,11 @@ META = ('steps', 'start_step', 'local_loss', 'global_loss')
 # SHORT_TIMEOUT below it: the deadline covers the peers' time between steps.
 PAUSE, PAUSE_AFTER, SHORT_TIMEOUT, LONG_TIMEOUT = 6.0, 2, 3.0, 20.0
 
+#: Why the failure and resume cases run in the TF2-behaviour pass only (time): they test
+#: the launcher's and the watchdog's handling of processes; the TF1-behaviour pass runs
+#: the 2-worker training equality and the broadcast.
+ONCE = 'process failure handling; the TF1-behaviour pass runs the training equality'
+
 
 def job_argv(*extra, timeout=COLLECTIVE_TIMEOUT):
     return [sys.executable, JOB, '--towers', '2', '--collective-timeout',
@@ -170,6 +175,7 @@ def test_average_across_workers_is_the_mean_over_workers(uninterrupted):
             np.testing.assert_allclose(got, expected, rtol=1e-6, err_msg='worker %d' % rank)
 
 
+@pytest.mark.once(reason=ONCE)
 def test_the_step_deadline_covers_a_peers_pause_between_steps(paused):
     # Short timeout: worker 1's step after the pause waits for the paused chief
     # and fails once it has lasted SHORT_TIMEOUT s, while the chief still sleeps.
@@ -206,6 +212,7 @@ def test_broadcast_makes_differently_seeded_workers_identical(uninterrupted):
         np.testing.assert_array_equal(second['start/' + name], first['init/' + name])
 
 
+@pytest.mark.once(reason=ONCE)
 def test_a_killed_worker_fails_the_others_within_the_timeout_and_nothing_is_left(killed):
     launcher = killed['launcher']
     text = output(launcher)
@@ -221,6 +228,7 @@ def test_a_killed_worker_fails_the_others_within_the_timeout_and_nothing_is_left
     assert_no_process_left(launcher)
 
 
+@pytest.mark.once(reason=ONCE)
 def test_resume_from_the_chiefs_checkpoint_equals_the_uninterrupted_run(killed, uninterrupted,
                                                                         tmp_path):
     ckpt = killed['checkpoint_dir']
@@ -301,6 +309,7 @@ def _elapsed_until(launcher, marker):
     return found[0][0] - started[0], found[0][1]
 
 
+@pytest.mark.once(reason=ONCE)
 def test_a_worker_missing_at_startup_is_named_within_the_startup_timeout(startup_failures):
     launcher, status = startup_failures['missing']
     assert status == 1, output(launcher)
@@ -310,6 +319,7 @@ def test_a_worker_missing_at_startup_is_named_within_the_startup_timeout(startup
     assert_no_process_left(launcher)
 
 
+@pytest.mark.once(reason=ONCE)
 def test_a_start_up_that_tensorflow_blocks_ends_by_the_watchdog(startup_failures):
     from tf1_syncbn.distributed import EXIT_STARTUP_HANG
     launcher, status = startup_failures['mute']

@@ -49,6 +49,7 @@ import tf_slim as slim
 from tf_slim.nets import inception_v3, resnet_v1, resnet_v2, vgg
 from tf_slim.ops import arg_scope as slim_arg_scope
 
+import tf_behavior
 from tf1_syncbn import convert, sync_arg_scope, sync_batch_norm
 from tower import average_gradients, call_for_each_tower, get_current_tower_context
 from tower import virtual_cpu_config
@@ -182,7 +183,9 @@ def _assert_close(actual, desired, tol, what, floor=0.0, atol=0.0):
         % (what, err, tol, scale))
 
 
-@pytest.mark.parametrize('name', ['resnet_v1_50', 'resnet_v2_50', 'inception_v3'])
+# The TF1-behaviour pass: one network (tf_behavior.pick).
+@pytest.mark.parametrize('name', tf_behavior.pick(['resnet_v1_50', 'resnet_v2_50', 'inception_v3'],
+                                                  ['resnet_v1_50']))
 def test_one_sgd_step_two_towers_equals_one_tower_on_the_whole_batch(name):
     graph = tf.Graph()
     with graph.as_default():
@@ -351,6 +354,7 @@ def test_convert_arg_scope_errors(kwargs, error):
         convert.convert_arg_scope(scope, **kwargs)
 
 
+@pytest.mark.once(reason='the patch of slim.batch_norm (Python only)')
 def test_patch_is_restored_on_exit_and_on_error():
     layers_module = sys.modules['tf_slim.layers.layers']
     original = layers_module.batch_norm
@@ -369,6 +373,7 @@ def test_patch_is_restored_on_exit_and_on_error():
         assert slim.batch_norm is original
 
 
+@pytest.mark.once(reason='the patch of slim.batch_norm (Python only)')
 def test_patch_lasts_until_the_last_of_several_threads_leaves():
     """MirroredStrategy builds its replicas in threads that take turns inside the block.
 
