@@ -1,7 +1,7 @@
 """How many run-time checks and watchdog arms a resnet_v1_50 step runs, with a tensor is_training.
 
-The guards every collective waits for (the Python check that every tower was
-built, and the step watchdog) should run once per host and step. This counts
+The guards every collective waits for (the run-time check that every tower
+was built, and the step watchdog) should run once per host and step. This counts
 them in the graph (its function library included: ``tf.cond`` branches) and
 in a traced training step, for resnet_v1_50 built with ``sync_arg_scope`` on
 virtual CPU towers with ``is_training`` a bool tensor. Op counts are
