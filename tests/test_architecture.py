@@ -8,6 +8,11 @@ only closes at call time is still a circle for a reader).
 import ast
 import os
 
+import pytest
+
+#: The source tree, whatever the TF behaviour: the TF2-behaviour pass only.
+pytestmark = pytest.mark.once
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ('tf1_syncbn', 'tower')
 #: The longest module allowed (lines): "a few hundred lines at most".

@@ -63,6 +63,11 @@ SETTINGS = {
 }
 
 
+#: The timeout's settings, whatever the TF behaviour: the TF2-behaviour pass only (the
+#: guards' and the watchdog's timeouts run in both: test_guards.py, test_step_watchdog.py).
+pytestmark = pytest.mark.once
+
+
 @pytest.fixture(scope='module')
 def reports():
     """Every setting's report, from subprocesses started together (one import each)."""

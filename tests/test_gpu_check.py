@@ -477,6 +477,7 @@ V1_DRY_RUN = 'tensor_is_training or renorm or (collective and bfloat16 and NCHW)
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.once(reason='make gpu-check runs test_gpu.py in both behaviours itself')
 def test_the_gpu_tests_dry_run_on_virtual_cpus(tmp_path):
     """tests/test_gpu.py on 3 virtual CPUs, stock kernels, oneDNN off: its references hold.
 

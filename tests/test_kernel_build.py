@@ -17,6 +17,10 @@ import pytest
 
 from tf1_syncbn import kernels
 
+#: Compiler flags, the cache and the build's messages, whatever the TF behaviour (the
+#: kernels' numerics run in both passes: test_kernels.py): the TF2-behaviour pass only.
+pytestmark = pytest.mark.once
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GXX = shutil.which('g++')
 #: Every cpuinfo flag x86-64-v3 needs (v2's included), written out here rather

@@ -34,6 +34,10 @@ def _subprocess_env(**extra):
     return env
 
 
+#: Why the build's own tests run in the TF2-behaviour pass only.
+BUILD = 'the build and its cache, whatever the TF behaviour'
+
+
 def test_kernels_compile_and_load_here():
     # make test installs a compiler-equipped environment: the fast path must work.
     assert kernels.load() is not None, kernels.status()
@@ -198,6 +202,7 @@ def test_kernel_ops_reject_bad_shapes(graph):
             sess.run(bad)
 
 
+@pytest.mark.once(reason=BUILD)
 def test_cache_key_ignores_checkout_and_environment_paths(monkeypatch, tmp_path):
     path, original_source = kernels.cache_path(), kernels._SOURCE
     compile_flags, link_flags = tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()
@@ -220,6 +225,7 @@ def test_cache_key_ignores_checkout_and_environment_paths(monkeypatch, tmp_path)
     assert kernels.cache_path() != path
 
 
+@pytest.mark.once(reason=BUILD)
 def test_compile_says_so_on_stderr_and_caches(tmp_path):
     """A fresh cache compiles once, with a line before and after; later runs load it."""
     built = kernels.build()   # the real library, compiled here if needed
@@ -269,6 +275,7 @@ print(kernels.status())
 '''
 
 
+@pytest.mark.once(reason=BUILD)
 def test_without_a_compiler_layers_fall_back_to_stock_kernels_with_a_warning(tmp_path):
     env = _subprocess_env(CXX=str(tmp_path / 'no' / 'g++'), TF1_SYNCBN_CACHE=str(tmp_path))
     run = subprocess.run([sys.executable, '-c', FALLBACK], env=env, capture_output=True,
@@ -280,6 +287,7 @@ def test_without_a_compiler_layers_fall_back_to_stock_kernels_with_a_warning(tmp
     assert "TensorFlow's stock kernels" in warning[0]
 
 
+@pytest.mark.once(reason=BUILD)
 def test_ahead_of_time_command(capsys, monkeypatch):
     from tf1_syncbn.kernels import __main__ as command
     assert command.main([]) == 0

@@ -24,6 +24,9 @@ from tower import call_for_each_tower
 tf1 = tf.compat.v1
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = 20
+#: Why the process-level cases run in the TF2-behaviour pass only: they test TensorFlow's
+#: runtime (per-op timeouts without the library, closing sessions under the watchdog).
+RUNTIME = 'the runtime around the watchdog, whatever the TF behaviour'
 
 
 def _deep_net(timeout):
@@ -92,6 +95,7 @@ def test_a_step_that_waits_too_long_fails_with_the_reason(graph):
         assert time.time() - start < 30
 
 
+@pytest.mark.once(reason=RUNTIME)
 def test_without_the_library_collectives_carry_tensorflows_timeout(tmp_path):
     code = ('import tensorflow as tf\n'
             'import tf_behavior; tf_behavior.apply()\n'
@@ -111,6 +115,7 @@ def test_without_the_library_collectives_carry_tensorflows_timeout(tmp_path):
     assert out.stdout.split('\n')[-2] == 'None [7.0] []'
 
 
+@pytest.mark.once(reason=RUNTIME)
 def test_sessions_closed_right_after_a_timed_out_step_do_not_crash_the_process():
     """The watchdog's abort used to outlive its step: a session closed at once was freed under it.
 
