@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import tf_behavior
 from tf1_syncbn import BatchNorm, BatchRenorm, CollectiveBackend, kernels, sync_batch_norm
 from tower import TowerContext, call_for_each_tower, virtual_cpu_config
 
@@ -52,7 +53,8 @@ def _build_and_run(custom):
     return weakref.ref(graph)
 
 
-@pytest.mark.parametrize('custom', [True, False])
+# The TF1-behaviour pass: the compiled kernels (tf_behavior.pick).
+@pytest.mark.parametrize('custom', tf_behavior.pick([True, False], [True]))
 def test_dropped_graphs_are_freed(custom):
     if custom and kernels.load() is None:
         pytest.skip('the compiled kernels are unavailable: %s' % kernels.status())

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import tf_behavior
 from bn_reference import build_towers, towers_skipping_a_layer
 from conftest import make_session
 from tf1_syncbn import BatchNorm, BatchRenorm, CollectiveBackend, kernels, sync_batch_norm
@@ -105,7 +106,9 @@ def test_every_collective_waits_for_the_check_and_the_watchdog(graph, path, trai
         assert check in ancestors and watchdog in ancestors, op.name
 
 
-@pytest.mark.parametrize('path', sorted(p for p in PATHS if p != 'fast'))
+# The TF1-behaviour pass: the non-fused path and renorm (tf_behavior.pick).
+@pytest.mark.parametrize('path', tf_behavior.pick(sorted(p for p in PATHS if p != 'fast'),
+                                                  ['fused=False', 'renorm']))
 def test_a_tower_that_skips_a_slow_path_layer_fails_within_the_timeout(graph, path):
     """The fast path's guarantee (test_step_watchdog) holds for every other path too."""
     xs, ys = towers_skipping_a_layer(CollectiveBackend(timeout=2), layer=PATHS[path])

@@ -47,6 +47,10 @@ SIZES = [3, 5]
 REFERENCE_DIR_VARIABLE = 'TF1_SYNCBN_TEST_KERAS_MODEL_REFERENCE'
 FLOAT32_EPS = 2.0 ** -23
 BATCH_NORMS = 27
+#: The TF1-behaviour pass runs the tower loop and MirroredStrategy, patched and not, on the
+#: compiled kernels (time); tensorpack's trainers and the stock kernels run in TF1 behaviour
+#: in test_harness_tensorpack.py, test_keras_layer.py and the parity modules.
+TF2_ONLY = 'the TF1-behaviour pass runs the tower loop and MirroredStrategy'
 
 REFERENCE_SCRIPT = '''
 import numpy as np
@@ -212,6 +216,7 @@ def _tensorpack_run(runs, name):
 
 
 @pytest.mark.skipif(in_child(), reason='the tower loop covers the stock kernels')
+@pytest.mark.once(reason=TF2_ONLY)
 def test_tensorpack_trainer_equals_one_device(tensorpack_runs, reference):
     ours = _tensorpack_run(tensorpack_runs, 'ps%d' % len(SIZES))
     assert ours['layer_classes'] == ['tf1_syncbn.keras.BatchNormalization']
@@ -223,6 +228,7 @@ def test_tensorpack_trainer_equals_one_device(tensorpack_runs, reference):
 
 
 @pytest.mark.skipif(in_child(), reason='the tower loop covers the stock kernels')
+@pytest.mark.once(reason=TF2_ONLY)
 def test_tensorpack_trainer_without_the_patch_is_per_tower(tensorpack_runs, reference):
     control = _tensorpack_run(tensorpack_runs, 'per-tower%d' % len(SIZES))
     assert control['layer_classes'][0].startswith('tf_keras.src.layers.normalization.')
@@ -230,6 +236,7 @@ def test_tensorpack_trainer_without_the_patch_is_per_tower(tensorpack_runs, refe
     assert_per_tower(control['arrays'], reference, partial=True)
 
 
+@pytest.mark.once(reason=TF2_ONLY)
 def test_stock_kernels_without_onednn(reference_dir, tmp_path_factory, tmp_path):
     """The tower loop, and test_keras_layer's STOCK_CASES, on the stock kernels, oneDNN off.
 

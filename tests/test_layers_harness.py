@@ -36,6 +36,7 @@ import pytest
 import tensorflow as tf
 
 import strategy_case
+import tf_behavior
 from legacy_reference import run_reference
 from layers_reference import STRATEGY_LAYERS
 from layers_reference import reference as run_layers_reference
@@ -80,7 +81,9 @@ def _run_patched_script(tmp_path, legacy):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize('environment', ['plain TensorFlow', 'tf-keras'])
+# The TF1-behaviour pass: plain TensorFlow, where TF1 scripts run (tf_behavior.pick).
+@pytest.mark.parametrize('environment', tf_behavior.pick(['plain TensorFlow', 'tf-keras'],
+                                                        ['plain TensorFlow']))
 def test_an_unmodified_tf_layers_script_on_4_towers_is_tf_layers_on_one(reference, tmp_path,
                                                                        environment):
     legacy = environment == 'tf-keras'

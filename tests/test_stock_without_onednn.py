@@ -15,10 +15,14 @@ import importlib
 
 import pytest
 
+import tf_behavior
 from without_onednn import ChildRun, count_kernel_cases
 
-MODULES = ['test_sync_exactness', 'test_sync_numerics', 'test_sync_formats',
-           'test_harness_name_scopes']
+# The TF1-behaviour pass (tf_behavior.pick): exactness (every path) and formats (every
+# rank and layout: Dimension shapes); the parity modules run their own stock child.
+MODULES = tf_behavior.pick(['test_sync_exactness', 'test_sync_numerics', 'test_sync_formats',
+                            'test_harness_name_scopes'],
+                           ['test_sync_exactness', 'test_sync_formats'])
 
 
 @pytest.fixture(scope='module')
