@@ -56,9 +56,19 @@ demo: $(VENV)/.installed
 # pytest.ini adds -rs (skip reasons) and a 300 s limit per test (pytest-timeout,
 # from pyproject.toml's test extra).
 # make test runs the linter and the documentation build first: a lint error,
-# or a broken reference or docstring in docs/, fails it.
+# or a broken reference or docstring in docs/, fails it. Then the suite twice:
+# in TF2-behaviour graph mode, and in TF1 behaviour (disable_v2_behavior(),
+# tests/tf_behavior.py), where each module runs the cases it picks for what TF1
+# behaviour changes (docs/tf-behaviours.md). `make test-v2` / `make test-v1`
+# run one pass. tests/with_horovod is make test-horovod's, even where Horovod is built.
+SUITE := tests --ignore=tests/with_horovod
 test: $(VENV)/.installed-test kernels lint docs
-	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+	TF1_SYNCBN_TEST_BEHAVIOR=v2 $(PY) -m pytest -q $(SUITE) $(PYTEST_ARGS)
+	TF1_SYNCBN_TEST_BEHAVIOR=v1 $(PY) -m pytest -q $(SUITE) $(PYTEST_ARGS)
+
+.PHONY: test-v2 test-v1
+test-v2 test-v1: $(VENV)/.installed-test kernels
+	TF1_SYNCBN_TEST_BEHAVIOR=$(@:test-%=%) $(PY) -m pytest -q $(SUITE) $(PYTEST_ARGS)
 
 # ruff, with the rules in pyproject.toml ([tool.ruff]).
 lint: $(VENV)/.installed-test
