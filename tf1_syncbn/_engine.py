@@ -75,8 +75,9 @@ def sync_normalize(x4, fmt, gamma, beta, epsilon, plan, kernels):
 def all_reduce_with_gradient(tensor, plan):
     """A sum all-reduce whose gradient is the sum all-reduce of the incoming gradient.
 
-    The backward all-reduce is keyed ``'backward'`` from the same call name,
-    so every tower agrees on it. Without a plan, ``tensor`` itself.
+    The backward all-reduce is keyed from the same call name and its build
+    (:func:`tf1_syncbn._plan.backward_direction`), so every tower agrees on
+    it. Without a plan, ``tensor`` itself.
     """
     if plan is None:
         return tensor

@@ -11,6 +11,7 @@ collective without them.
 """
 
 import collections
+import itertools
 
 import tensorflow as tf
 
@@ -21,10 +22,11 @@ from tf1_syncbn._registry import get_registry
 from tf1_syncbn.backends import SyncKey
 from tower import TowerContext
 
-__all__ = ['SyncPlan', 'plan_sync']
+__all__ = ['SyncPlan', 'plan_sync', 'backward_direction']
 
 
-class SyncPlan(collections.namedtuple('SyncPlan', ['backend', 'key', 'guards', 'watched'])):
+class SyncPlan(collections.namedtuple('SyncPlan',
+                                      ['backend', 'key', 'guards', 'watched', 'backward_builds'])):
     """How one call synchronizes (frozen).
 
     Attributes:
@@ -34,6 +36,8 @@ class SyncPlan(collections.namedtuple('SyncPlan', ['backend', 'key', 'guards', '
       guards: the ops every collective of the call waits for.
       watched: whether the step watchdog bounds those collectives (they then
         carry no per-op timeout).
+      backward_builds: counts this member's backward all-reduces
+        (:func:`backward_direction`).
     """
 
     @property
@@ -51,11 +55,36 @@ class SyncPlan(collections.namedtuple('SyncPlan', ['backend', 'key', 'guards', '
 
         Args:
           tensor: the tensor to sum (same shape and dtype on every member).
-          direction: ``'forward'`` or ``'backward'``; every member builds the
-            same directions, so each names one collective of the group.
+          direction: ``'forward'`` or ``'backward'``. Every member builds the
+            same directions, so each names one collective of the group. The
+            forward all-reduce is built once per call; a backward one each
+            time a gradient of the call is built (:func:`backward_direction`).
+
+        Hangs: waits for every member of the group; a member that builds fewer
+          backward all-reduces than the others (a gradient built for some
+          towers only) leaves the others' extra ones waiting until the step's
+          timeout (:mod:`tf1_syncbn.timeouts`), when they are run.
         """
+        if direction == 'backward':
+            direction = backward_direction(next(self.backward_builds))
         with tf.control_dependencies(self.guards), timeouts.watched(self.watched):
             return self.backend.all_reduce(tensor, self.key, direction)
+
+
+def backward_direction(build):
+    """The direction label of a call's ``build``-th backward all-reduce (from 0).
+
+    ``tf.gradients`` builds a layer's gradient once per call of it: a step
+    that fetches the gradients of two losses through one layer (two
+    ``tf.gradients`` or ``compute_gradients`` calls, a GAN's two losses
+    through its discriminator) runs two backward all-reduces of the layer.
+    Each needs keys of its own, or TensorFlow pairs one tower's first with
+    another's second (a wrong gradient, or an internal error). Every member
+    counts its own builds: the k-th of each pair up, as the towers build the
+    same gradients in the same order. The first keeps the plain
+    ``'backward'``, so graphs built before are keyed as they were.
+    """
+    return 'backward' if build == 0 else 'backward/%d' % build
 
 
 def plan_sync(options, group):
@@ -104,5 +133,5 @@ def plan_sync(options, group):
     get_registry().register(key, group.index, group.towers, backend,
                             track=isinstance(group.ctx, TowerContext))
     guards, watched = _guards.step_guards(device, backend.step_timeout())
-    return SyncPlan(backend, key, guards, watched)
+    return SyncPlan(backend, key, guards, watched, itertools.count())
 

@@ -7,10 +7,12 @@ Each backend is one small object with the same two methods:
 * ``all_reduce(tensor, key, direction)``: the element-wise sum of ``tensor``
   over every member, built on ``key.device``.
 
-``key`` is a :class:`SyncKey`; ``direction`` is ``'forward'`` or
-``'backward'``. Every member of a group must build the same keys, in any
-order; names and keys are derived from layer names, never from counters that
-differ between towers or processes.
+``key`` is a :class:`SyncKey`; ``direction`` is ``'forward'``, or
+``'backward'`` for the first gradient built of the call and ``'backward/<k>'``
+for the k-th after it (``tf1_syncbn._plan.backward_direction``). Every member
+of a group must build the same keys, in any order; names and keys are derived
+from layer names and directions, never from counters that differ between
+towers or processes.
 
 Choose a backend with the ``sync_statistics`` argument of the layers: a string
 (``'collective'``, ``'nccl'``, ``'horovod'``, ``'auto'``), None, or a backend
