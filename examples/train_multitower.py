@@ -318,6 +318,9 @@ def print_audit(name, net):
         name, ' (per-tower statistics on purpose: the comparison run)'
         if name == 'per_tower' else ''))
     print(report, flush=True)
+    if name == 'per_tower' and report.problems:
+        print('per_tower: these problems are expected: this run is the per-tower '
+              'comparison, not a mistake to fix.', flush=True)
     return report
 
 

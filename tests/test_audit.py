@@ -449,6 +449,8 @@ def test_the_demo_prints_the_audit_of_both_training_graphs(capsys):
         assert {l.towers_summary() for l in report.layers} == {
             'tower0, tower1; infer: (no tower)'}
         assert kinds(report) == ([] if name == 'sync' else per_tower(*layers))
+        # The comparison run's problems are said to be expected; the sync run's report is clean.
+        assert ('these problems are expected' in printed) == (name == 'per_tower')
 
 
 def test_the_selftest_audits_its_graph_and_fails_on_a_problem(monkeypatch, capsys):
