@@ -1,4 +1,5 @@
-# Two commands do all set-up on a fresh machine (Python 3.11 and nothing else):
+# Two commands do all set-up on a fresh machine (Python 3.11 with venv, make, g++;
+# make demo also runs without a compiler):
 #   make demo   creates .venv, installs the project, runs the main job
 #   make test   creates .venv, installs the project and test tools, runs the suite
 # Re-running reuses .venv: installs happen again only when pyproject.toml or
@@ -36,8 +37,9 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -q --no-deps "tf-keras~=$$($(PY) -c 'import tensorflow as tf; print(".".join(tf.__version__.split(".")[:2]))').0"
 	touch $@
 
-# The documentation tools (pyproject.toml's docs extra: Sphinx, MyST, furo).
-$(VENV)/.installed-docs: $(VENV)/.installed
+# The documentation tools (pyproject.toml's docs extra: Sphinx, MyST, furo). After
+# the test tools: the API reference imports tf1_syncbn.keras, which needs tf-keras.
+$(VENV)/.installed-docs: $(VENV)/.installed-test
 	$(PIP) install -q -e '.[docs]'
 	touch $@
 
@@ -116,4 +118,4 @@ gpu-check:
 	$(PYTHON) tools/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache docs/_build
+	rm -rf $(VENV) *.egg-info .pytest_cache docs/_build build dist

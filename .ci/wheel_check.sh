@@ -25,6 +25,8 @@ for name in ('tf1_syncbn/kernels/sync_bn_ops.cc', 'tf1_syncbn/__init__.py', 'tow
     assert name in wheel, 'the wheel lacks ' + name
     assert name in sdist, 'the sdist lacks ' + name
 assert not any(n.startswith(('tests/', 'docs/')) for n in wheel), 'the wheel carries tests or docs'
+# The suite needs the whole repository (MANIFEST.in prunes it from the sdist).
+assert not any(n.startswith('tests/') for n in sdist), 'the sdist carries a partial test suite'
 print('wheel-check: both carry the kernel sources (tf1_syncbn/kernels/sync_bn_ops.cc)')
 PY
 

@@ -7,9 +7,9 @@ time of:
 * ``sync_batch_norm``: this library, collective backend (with its compiled CPU
   kernels when they are available);
 * ``sync_stock_kernels``: the same with TensorFlow's stock kernels only;
-* ``seed``: the seed algorithm (all-reduce E[x] and E[x^2] separately,
-  var = E[x^2] - E[x]^2, two collectives forward and two backward) on the same
-  collective ops;
+* ``textbook``: the textbook synchronized batch norm (all-reduce E[x] and
+  E[x^2] separately, var = E[x^2] - E[x]^2, two collectives forward and two
+  backward, from separate TensorFlow ops) on the same collective ops;
 
 and the ratios between them. All variants run in one process, interleaved
 round by round, so the ratios compare like with like. Every step fetches one
@@ -55,7 +55,7 @@ def fused_layer(x):
     return y
 
 
-def _seed_all_reduce(t, towers, key):
+def _textbook_all_reduce(t, towers, key):
     """Sum all-reduce with a sum all-reduce gradient (what NCCL's gradient does)."""
     device = t.device
 
@@ -70,16 +70,16 @@ def _seed_all_reduce(t, towers, key):
     return reduce(t)
 
 
-def seed_layer(x):
-    """The seed algorithm, on collective ops instead of NCCL (CPU has no NCCL)."""
+def textbook_layer(x):
+    """The textbook algorithm, on collective ops instead of NCCL (CPU has no NCCL)."""
     ctx = get_current_tower_context()
     channels = x.shape[-1]
     gamma = tf1.get_variable('gamma', [channels], initializer=tf1.ones_initializer())
     beta = tf1.get_variable('beta', [channels], initializer=tf1.zeros_initializer())
     mean = tf.reduce_mean(x, [0, 1, 2])
     mean_sq = tf.reduce_mean(tf.square(x), [0, 1, 2])
-    mean = _seed_all_reduce(mean, ctx.total, 1000) * (1.0 / ctx.total)
-    mean_sq = _seed_all_reduce(mean_sq, ctx.total, 2000) * (1.0 / ctx.total)
+    mean = _textbook_all_reduce(mean, ctx.total, 1000) * (1.0 / ctx.total)
+    mean_sq = _textbook_all_reduce(mean_sq, ctx.total, 2000) * (1.0 / ctx.total)
     var = mean_sq - tf.square(mean)
     return tf.nn.batch_normalization(x, mean, var, beta, gamma, EPS)
 
@@ -147,7 +147,7 @@ def main(argv=None):
     tf1.disable_eager_execution()
     shape = tuple(int(s) for s in args.shape.split(','))
     variants = [('fused', fused_layer), ('sync_batch_norm', sync_layer),
-                ('sync_stock_kernels', sync_layer_stock), ('seed', seed_layer)]
+                ('sync_stock_kernels', sync_layer_stock), ('textbook', textbook_layer)]
     runs = {name: build(layer, setup, shape) for name, layer in variants}
     med = median_times(runs, args.steps, args.warmup)
     print('forward+backward, %d towers of %s%s, median of %d steps (ms)'
@@ -165,8 +165,8 @@ def main(argv=None):
     print('  ratio sync_batch_norm / fused: %.2fx  (target <= 1.15x)'
           % (med['sync_batch_norm'] / med['fused']))
     print('  ratio sync_stock_kernels / fused: %.2fx' % (med['sync_stock_kernels'] / med['fused']))
-    print('  ratio seed / fused:            %.2fx' % (med['seed'] / med['fused']))
-    print('  ratio seed / sync_batch_norm:  %.2fx' % (med['seed'] / med['sync_batch_norm']))
+    print('  ratio textbook / fused:        %.2fx' % (med['textbook'] / med['fused']))
+    print('  ratio textbook / sync_batch_norm: %.2fx' % (med['textbook'] / med['sync_batch_norm']))
 
 
 if __name__ == '__main__':

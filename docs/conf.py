@@ -47,27 +47,13 @@ autodoc_member_order = 'bysource'
 autodoc_typehints = 'none'
 autodoc_default_options = {'show-inheritance': True}
 add_module_names = False
-public_api_modules = ['tf1_syncbn', 'tower']
+# Every name in these modules' __all__ must be on a page of the API reference.
+public_api_modules = ['tf1_syncbn', 'tower', 'tf1_syncbn.layers', 'tf1_syncbn.keras',
+                      'tf1_syncbn.export', 'tf1_syncbn.distributed', 'tf1_syncbn.timeouts',
+                      'tf1_syncbn.kernel_sets']
 
 html_theme = 'furo'
 html_title = 'tf1-syncbn %s' % release
 html_static_path = []
 html_show_sourcelink = False
 pygments_style = 'sphinx'
-
-# Pages other pages' owners write (Keras, Horovod, saving, TF behaviours): the
-# navigation lists them when they exist, and the site still builds without.
-OPTIONAL_PAGES = ('keras', 'horovod', 'save-resume-export', 'tf-behaviours')
-
-
-def _drop_missing_pages(app, docname, source):
-    if docname != 'index':
-        return
-    source[0] = '\n'.join(
-        line for line in source[0].split('\n')
-        if not (line.strip() in OPTIONAL_PAGES
-                and not os.path.exists(os.path.join(HERE, line.strip() + '.md'))))
-
-
-def setup(app):
-    app.connect('source-read', _drop_missing_pages)

@@ -246,13 +246,13 @@ class BatchNormalization(_Synchronized, KERAS_BATCH_NORMALIZATION):
       ``virtual_batch_size``) but the batch axis 0, through a view of the
       input (:mod:`tf1_syncbn._axes`).
 
+    The arguments from ``axis`` to ``gamma_constraint`` are tf-keras' own, with
+    its defaults.
+
     Args:
-      axis, momentum, epsilon, center, scale, beta_initializer,
-        gamma_initializer, moving_mean_initializer,
-        moving_variance_initializer, beta_regularizer, gamma_regularizer,
-        beta_constraint, gamma_constraint, synchronized: tf-keras'
-        (``synchronized=True`` only turns tf-keras' fused path off, as in
-        tf-keras: the statistics are synchronized by ``sync_statistics``).
+      synchronized: tf-keras' argument: ``True`` only turns tf-keras' fused
+        path off, as in tf-keras; the statistics are synchronized by
+        ``sync_statistics``.
       sync_statistics: ``'auto'`` (default: synchronize over the towers the
         layer is called in, nothing with one tower), ``'collective'``,
         ``'nccl'``, ``'horovod'``, None (per-tower statistics, tf-keras'
@@ -266,9 +266,8 @@ class BatchNormalization(_Synchronized, KERAS_BATCH_NORMALIZATION):
 
     Hangs: a synchronized training call waits in its all-reduces for every
     tower of its group, and the updates wait for the towers' statistics: run
-    every tower's forward pass in one ``session.run`` (see the README's "When
-    synchronization hangs"); the collective backend's timeout turns a missing
-    tower into an error.
+    every tower's forward pass in one ``session.run`` (docs/timeouts.md); the
+    collective backend's timeout turns a missing tower into an error.
     """
 
     def __init__(self, axis=-1, momentum=0.99, epsilon=1e-3, center=True, scale=True,

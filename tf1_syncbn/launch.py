@@ -19,13 +19,15 @@ uses the first ``towers`` of them). When the launcher's own environment sets
 error before any worker starts.
 
 When a worker exits with a non-zero status (or is killed), the others get
-``grace`` seconds to fail on their own (they do within their collective
-timeout, and say which worker was lost); then every process group still alive
-gets SIGTERM and, ``kill_after`` seconds later, SIGKILL. SIGINT, SIGTERM or
+``--grace`` seconds (default 30) to fail on their own (they do within their
+collective timeout, and say which worker was lost); then every process group
+still alive gets SIGTERM and, ``--kill-after`` seconds later (default 5),
+SIGKILL. SIGINT, SIGTERM or
 SIGHUP to the launcher stop every worker the same way. On Linux each worker
 also gets SIGKILL if the launcher itself dies (``PR_SET_PDEATHSIG``). The exit
 status is 0 when every worker exited with 0, else the first failure's status
-(128 + signal number for a signal; 124 when ``--timeout`` expired).
+(128 + signal number for a signal; 124 when ``--timeout`` seconds, which
+bound the whole job, expired). ``--gpus-per-worker K`` is described above.
 
 This module imports nothing from TensorFlow; ``python path/to/launch.py``
 works without importing the package.

@@ -30,6 +30,10 @@ Usage::
 
     python -m tf1_syncbn.selftest [--towers N] [--backend collective|nccl|auto|all]
                                   [--device auto|cpu|gpu] [--steps K] [--seed S]
+                                  [--tf1-behavior]
+
+``--tf1-behavior`` runs the check under ``tf.compat.v1.disable_v2_behavior()``,
+as TF1 scripts do (default: TF2-behaviour graph mode).
 """
 
 import argparse

@@ -10,7 +10,8 @@ renders ``autofunction`` / ``autoclass`` / ``automodule`` for each name (all of
 the module's ``__all__`` when ``:names:`` is left out; with ``:rest:``, the
 names of ``__all__`` that no earlier directive of the page rendered). When the build ends,
 every name in the ``__all__`` of the modules listed in ``public_api_modules``
-(conf.py) must have been rendered by some page, and every function and class
+(conf.py) must have been rendered by some page (a re-exported function,
+class or module under any of its names), and every function and class
 must have a docstring: anything missing is a warning, so ``make docs`` (``-W``)
 fails when a public name is added without documentation.
 """
@@ -73,6 +74,9 @@ class PublicApi(SphinxDirective):
                                location=self.get_location())
             lines += _entry(module, name)
             done.add('%s.%s' % (module.__name__, name))
+            if inspect.ismodule(obj):       # automodule :members: renders its __all__
+                done.update('%s.%s' % (obj.__name__, member)
+                            for member in getattr(obj, '__all__', ()))
         # autodoc's output is reStructuredText: in a MyST page it must be parsed
         # inside {eval-rst}, as MyST's documentation says for autodoc.
         fenced = ['```{eval-rst}'] + lines + ['```']
@@ -97,11 +101,28 @@ def _merge(app, env, docnames, other):
                              if d in docnames})
 
 
+def _resolve(dotted):
+    """The object a dotted ``module.name`` documented by a directive stands for, or None."""
+    module_name, _, name = dotted.rpartition('.')
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError):
+        return None
+
+
 def _check(app, env):
     done = set().union(*_documented(env).values())
+    # A re-exported function, class or module (tf1_syncbn.setup_cluster is
+    # tf1_syncbn.distributed.setup_cluster) counts as documented under either name.
+    done_objects = {id(obj) for obj in map(_resolve, done)
+                    if inspect.isclass(obj) or inspect.isroutine(obj) or inspect.ismodule(obj)}
     for module_name in app.config.public_api_modules:
         module = importlib.import_module(module_name)
         for name in module.__all__:
+            obj = getattr(module, name, None)
+            shared = (inspect.isclass(obj) or inspect.isroutine(obj) or inspect.ismodule(obj))
+            if shared and id(obj) in done_objects:
+                continue
             if '%s.%s' % (module_name, name) not in done:
                 LOGGER.warning('public-api: %s.%s is in __all__ but on no page of the API '
                                'reference (add it to a public-api directive in docs/api/)',

@@ -1,10 +1,11 @@
 """The Horovod backend run for real: ``horovodrun --gloo`` with 2 processes (``make test-horovod``).
 
 These tests need Horovod built against the installed TensorFlow (``make
-horovod``, ``tools/build_horovod.sh``). Where it is not installed, the plain
-``make test`` run does not collect this directory and its summary says so;
-named on the command line (``make test-horovod``, ``pytest tests/with_horovod``)
-without Horovod, every test fails with the reason, never skips.
+horovod``, ``tools/build_horovod.sh``). ``make test`` never collects this
+directory (``make test-horovod`` runs it); a bare ``pytest`` collects it only
+where Horovod is usable, and otherwise its summary says why. Named on the
+command line (``make test-horovod``, ``pytest tests/with_horovod``) without
+Horovod, every test fails with the reason, never skips.
 """
 
 import importlib.util

@@ -5,7 +5,8 @@ layer of a training job loads the cached library instead of compiling (about
 20 s). Prints the library's path; exits with status 1, and says why, when no
 compiler works (the layers would then fall back to TensorFlow's stock kernels).
 
-Usage: python -m tf1_syncbn.kernels [--force]
+Usage: ``python -m tf1_syncbn.kernels [--force]`` (``--force``: compile even when a build is
+cached).
 """
 
 import argparse
