@@ -52,6 +52,16 @@ def test_legacy_argument_names(graph):
         BatchNorm('bn5', x, data_format='NWHC')
 
 
+def test_the_signature_shows_tensorpacks_defaults():
+    # The defaults an old name may still set print as tensorpack's (help(), the API reference).
+    import inspect
+    params = inspect.signature(BatchNorm).parameters
+    assert {name: repr(params[name].default) for name in (
+        'momentum', 'center', 'scale', 'gamma_initializer')} == {
+        'momentum': '0.9', 'center': 'True', 'scale': 'True',
+        'gamma_initializer': 'ones_initializer()'}
+
+
 def test_use_local_stat_is_training(graph, rng):
     x = tf1.placeholder(tf.float32, [None, 3])
     y = BatchNorm('bn', x, use_local_stat=False)

@@ -53,7 +53,7 @@ def _apply_legacy_names(layer, kwargs, current):
         new = _LEGACY_NAMES[old]
         if new not in current:
             raise TypeError('%s does not take %r.' % (layer, old))
-        if current[new] is not _UNSET:
+        if not _unset(current[new]):
             raise TypeError('%s: pass either %r or its old name %r, not both.'
                             % (layer, new, old))
         current[new] = value
@@ -61,12 +61,28 @@ def _apply_legacy_names(layer, kwargs, current):
     return spelled
 
 
-class _Unset(object):
+class _Default(object):
+    """A keyword's default that the caller left out, so that an old name may still set it.
+
+    ``BatchNorm(momentum=...)`` and ``BatchNorm(decay=...)`` are one option:
+    passing both is an error, which needs to know whether ``momentum`` was
+    passed. Its repr is the default's, so signatures read as tensorpack's.
+    """
+
+    def __init__(self, text):
+        self._text = text
+
     def __repr__(self):
-        return '<unset>'
+        return self._text
 
 
-_UNSET = _Unset()
+def _unset(value):
+    return isinstance(value, _Default)
+
+
+_UNSET = _Default('<unset>')
+_MOMENTUM, _CENTER, _SCALE = _Default('0.9'), _Default('True'), _Default('True')
+_GAMMA_INITIALIZER = _Default('ones_initializer()')
 
 
 def _finetune_counter(finetune):
@@ -164,8 +180,9 @@ def _holder(**variables):
 
 @tensorpack_layer
 @tf.autograph.experimental.do_not_convert     # (see tf1_syncbn._core)
-def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_UNSET, epsilon=1e-5,
-              center=_UNSET, scale=_UNSET, beta_initializer=None, gamma_initializer=_UNSET,
+def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_MOMENTUM, epsilon=1e-5,
+              center=_CENTER, scale=_SCALE, beta_initializer=None,
+              gamma_initializer=_GAMMA_INITIALIZER,
               virtual_batch_size=None, data_format='channels_last', ema_update='default',
               sync_statistics=None, finetune=None, **legacy_kwargs):
     """tensorpack's ``BatchNorm`` layer, with synchronized statistics on any device.
@@ -250,14 +267,14 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_UNSET, epsilo
               'gamma_initializer': gamma_initializer, 'training': _UNSET}
     spelled = _apply_legacy_names(layer, legacy_kwargs, values)
     spelled['is_training'] = spelled.pop('training', 'training')
-    if values['training'] is not _UNSET:
+    if not _unset(values['training']):
         if training is not None:
             raise TypeError("%s: pass either 'training' or 'use_local_stat', not both." % layer)
         training = values['training']
     defaults = {'momentum': 0.9, 'center': True, 'scale': True,
                 'gamma_initializer': tf1.ones_initializer()}
     for key, value in defaults.items():
-        if values[key] is _UNSET:
+        if _unset(values[key]):
             values[key] = value
     if ema_update not in _EMA_UPDATES:
         raise ValueError('%s: ema_update must be one of %s, got %r.'
@@ -370,7 +387,7 @@ def BatchRenorm(name, x, rmax, dmax, *, momentum=0.9, epsilon=1e-5, center=True,
     explicit = {'momentum': momentum, 'center': center, 'scale': scale,
                 'gamma_initializer': gamma_initializer}
     for key, value in explicit.items():
-        if values[key] is _UNSET:
+        if _unset(values[key]):
             values[key] = value
     ctx, training = _check_format_and_training(layer, data_format, training)
     with tf1.variable_scope(name) as vs:
