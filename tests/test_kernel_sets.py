@@ -18,9 +18,10 @@ from tf1_syncbn import CollectiveBackend, kernel_sets, kernels, sync_batch_norm
 
 tf1 = tf.compat.v1
 OP_BUDGET = 25
-#: What the portable set builds per layer and tower today (README: "Op counts").
-EXPECTED = {('NHWC', 'float32'): 19, ('NCHW', 'float32'): 23, ('NHWC', 'float16'): 17,
-            ('NCHW', 'float16'): 23}
+#: What the portable set builds per layer and tower today (docs/design.md), the
+#: IdentityN that carries the gradient's gradient included.
+EXPECTED = {('NHWC', 'float32'): 20, ('NCHW', 'float32'): 24, ('NHWC', 'float16'): 18,
+            ('NCHW', 'float16'): 24}
 
 
 def _layer_ops(graph, tower='tower1'):

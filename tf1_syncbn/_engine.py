@@ -15,11 +15,21 @@ this tower's statistics alone) and builds its collectives with
   all-reduce each way.
 * :func:`ghost_moments`, ghost batch norm: every virtual batch's moments in
   one packed all-reduce.
+
+Gradients of every order. The all-reduce of :func:`all_reduce_with_gradient`
+is differentiable to any order (its gradient is the same all-reduce of the
+incoming gradient, itself differentiable), so the slow and ghost paths are,
+through TensorFlow's own gradients of the other ops. The fast path's
+gradient runs kernels without gradients; a gradient *of* that gradient (a
+gradient penalty, WGAN-GP or R1, differentiating an input gradient again)
+goes through a differentiable twin of the fast path instead
+(:func:`_second_order`), built only when such a gradient is.
 """
 
 import collections
 
 import tensorflow as tf
+from tensorflow.python.framework import func_graph
 
 from tf1_syncbn import _math
 from tf1_syncbn._gradients import with_gradient
@@ -54,6 +64,9 @@ def sync_normalize(x4, fmt, gamma, beta, epsilon, plan, kernels):
     Hangs: the all-reduces wait for every member of the plan's group (see
     :class:`~tf1_syncbn._plan.SyncPlan`).
     """
+    # In a TF2 tf.cond branch, the gradient refers to the branch's own copies
+    # of outer tensors (a gradient of the gradient loses track of outer ones).
+    x4, gamma, beta = _in_this_graph(x4, gamma, beta)
     device = plan.device if plan is not None else x4.device
     packed = kernels.moments(x4, fmt)
     packed_sum = _all_reduce(packed, plan, 'forward')
@@ -66,28 +79,108 @@ def sync_normalize(x4, fmt, gamma, beta, epsilon, plan, kernels):
             grads_sum = _all_reduce(grads, plan, 'backward')
             dx = kernels.backward_finish(state, dy4, x4, gamma, saved, grads_sum, epsilon,
                                          fmt)
-        return dx, dgamma, dbeta
+
+        def grad_of_grad(inputs, ddx, ddgamma, ddbeta):
+            dy4_, x4_, gamma_, beta_, packed_sum_ = inputs
+            return _second_order(x4_, fmt, gamma_, beta_, epsilon, plan, packed_sum_, device,
+                                 dy4_, (ddx, ddgamma, ddbeta)) + [None, None]
+
+        return with_gradient([dx, dgamma, dbeta], [dy4, x4, gamma, beta, packed_sum],
+                             grad_of_grad, name='sync_batch_norm_grad', with_inputs=True)
 
     y4, = with_gradient([y4], [x4, gamma, beta], grad, name='sync_batch_norm')
     return y4, moments
 
 
-def all_reduce_with_gradient(tensor, plan):
+def _in_this_graph(*tensors):
+    """``tensors``, captured into the current graph where it is a function graph (a TF2 branch)."""
+    graph = tf.compat.v1.get_default_graph()
+    if not isinstance(graph, func_graph.FuncGraph):
+        return tensors
+    return tuple(t if t.graph is graph else graph.capture(t) for t in tensors)
+
+
+def _second_order(x4, fmt, gamma, beta, epsilon, plan, packed_sum, device, dy4, upstream):
+    """The gradient of the fast path's gradient, through a differentiable twin of the fast path.
+
+    The twin normalizes as :func:`sync_normalize` does, from separate ops and
+    the differentiable all-reduce: its value reuses the forward all-reduce's
+    result (``packed_sum``: no collective runs again), its gradients build
+    backward all-reduces of their own. The fast path's gradient
+    ``(dx, dgamma, dbeta)`` is the twin's vector-Jacobian product with
+    ``dy4``; this differentiates that product.
+
+    Args:
+      upstream: the incoming gradients of ``(dx, dgamma, dbeta)``, None where
+        none flows.
+
+    Returns:
+      The gradients of ``dy4``, ``x4`` and ``gamma``.
+
+    Hangs: as :func:`sync_normalize`: every member builds the same gradients
+      (each gradient build gets keys of its own, :func:`tf1_syncbn._plan.backward_direction`).
+    """
+    with tf.device(device):
+        # Partial derivatives: the twin is built on copies of dy4, x4 and gamma
+        # with no path back to them. (dy4 itself depends on x4 and gamma through
+        # the layer's output; the caller's gradient follows that path, once.)
+        dy_c, x_c, gamma_c, beta_c = [tf.identity(tf.stop_gradient(t))
+                                      for t in (dy4, x4, gamma, beta)]
+        channels = _math.channels_of(x_c, fmt)
+        moments = global_moments(x_c, fmt, None, plan, reduced=packed_sum)
+        bshape = _math.broadcast_shape(fmt, channels)
+        scale = tf.math.rsqrt(moments.variance + epsilon) * gamma_c
+        xf = tf.cast(x_c, _math.STAT_DTYPE)
+        y4 = (xf - tf.reshape(moments.mean, bshape)) * tf.reshape(scale, bshape) + \
+            tf.reshape(beta_c, bshape)
+        firsts = tf.gradients(y4, [x_c, gamma_c, beta_c], grad_ys=tf.cast(dy_c, y4.dtype),
+                              unconnected_gradients='zero')
+        pairs = [(first, dd) for first, dd in zip(firsts, upstream) if dd is not None]
+        if not pairs:
+            return [None, None, None]
+        seconds = tf.gradients([first for first, _ in pairs], [dy_c, x_c, gamma_c],
+                               grad_ys=[tf.cast(dd, first.dtype) for first, dd in pairs],
+                               unconnected_gradients='zero')
+        return [tf.cast(g, t.dtype) for g, t in zip(seconds, (dy4, x4, gamma))]
+
+
+def _summed(tensor, plan, direction, reduced=None):
+    """The sum all-reduce of ``tensor``, differentiable to every order.
+
+    Its gradient is the sum all-reduce of the incoming gradient, built the
+    same way, so a gradient of a gradient all-reduces again. ``reduced``: a
+    sum of ``tensor`` over the group that is already computed (its value is
+    returned, and no forward all-reduce is built).
+    """
+    def grad(dy):
+        return [_summed(dy, plan, 'backward')]
+
+    value = plan.all_reduce(tensor, direction) if reduced is None else reduced
+    out, = with_gradient([value], [tensor], grad, name='all_reduce')
+    return out
+
+
+def all_reduce_with_gradient(tensor, plan, reduced=None):
     """A sum all-reduce whose gradient is the sum all-reduce of the incoming gradient.
 
-    The backward all-reduce is keyed from the same call name and its build
+    The backward all-reduces (of every order: the gradient is differentiable
+    too) are keyed from the same call name and their build
     (:func:`tf1_syncbn._plan.backward_direction`), so every tower agrees on
-    it. Without a plan, ``tensor`` itself.
+    them. Without a plan, ``tensor`` itself (or ``reduced``, with the
+    gradient of ``tensor``).
+
+    Args:
+      tensor: the local tensor.
+      plan: the call's :class:`~tf1_syncbn._plan.SyncPlan`, or None.
+      reduced: the group's sum of ``tensor``, when it is already computed:
+        returned with ``tensor``'s gradient, and no forward all-reduce is built.
     """
     if plan is None:
-        return tensor
-
-    def grad(dy):
-        return [plan.all_reduce(dy, 'backward')]
-
-    out, = with_gradient([plan.all_reduce(tensor, 'forward')], [tensor], grad,
-                         name='all_reduce')
-    return out
+        if reduced is None:
+            return tensor
+        out, = with_gradient([reduced], [tensor], lambda dy: [dy], name='local_sum')
+        return out
+    return _summed(tensor, plan, 'forward', reduced)
 
 
 GlobalMoments = collections.namedtuple('GlobalMoments', ['mean', 'variance', 'count'])
@@ -100,7 +193,7 @@ Attributes:
 """
 
 
-def global_moments(x4, fmt, weights, plan, before=()):
+def global_moments(x4, fmt, weights, plan, before=(), reduced=None):
     """Global (optionally weighted) moments built from differentiable ops.
 
     The caller normalizes with separate ops and TensorFlow differentiates
@@ -115,6 +208,9 @@ def global_moments(x4, fmt, weights, plan, before=()):
       before: tensors that must be computed before this tower's all-reduce
         starts (renorm's reads of its statistics: the main tower updates them
         only after the all-reduce, so after every tower has read them).
+      reduced: the group's packed moments, when an all-reduce already summed
+        them (the fast path's): their value is used, with the gradient of
+        these local moments (:func:`all_reduce_with_gradient`).
 
     Returns:
       :class:`GlobalMoments`.
@@ -127,7 +223,7 @@ def global_moments(x4, fmt, weights, plan, before=()):
     count, mean_s, m2 = _math.weighted_local_moments(xs4, fmt, weights)
     with tf.control_dependencies(before):
         packed = _math.pack_moments(count, shift, mean_s, m2)
-    packed = all_reduce_with_gradient(packed, plan)
+    packed = all_reduce_with_gradient(packed, plan, reduced)
     n64, mean64, var64 = _math.unpack_moments(packed, channels)
     return GlobalMoments(tf.cast(mean64, _math.STAT_DTYPE), tf.cast(var64, _math.STAT_DTYPE),
                          tf.cast(n64, _math.STAT_DTYPE))

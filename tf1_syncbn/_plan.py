@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from tf1_syncbn import _guards, timeouts
 from tf1_syncbn._control_flow import enclosing_while_loop
+from tf1_syncbn._gradients import raw_collectives
 from tf1_syncbn._group import choose_backend, current_device
 from tf1_syncbn._registry import get_registry
 from tf1_syncbn.backends import SyncKey
@@ -67,7 +68,8 @@ class SyncPlan(collections.namedtuple('SyncPlan',
         """
         if direction == 'backward':
             direction = backward_direction(next(self.backward_builds))
-        with tf.control_dependencies(self.guards), timeouts.watched(self.watched):
+        with tf.control_dependencies(self.guards), timeouts.watched(self.watched), \
+                raw_collectives():
             return self.backend.all_reduce(tensor, self.key, direction)
 
 
