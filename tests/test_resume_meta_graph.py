@@ -13,7 +13,9 @@ This file is also the user's script (``python test_resume_meta_graph.py
 train|resume DIR``): ``train`` builds the graph, trains ``STEPS_BEFORE``
 steps, saves, and trains ``STEPS_AFTER`` more (the uninterrupted run);
 ``resume`` imports the meta graph in a new process, restores, and trains
-``STEPS_AFTER`` steps. Losses and every variable must be the same, on the
+``STEPS_AFTER`` steps (``new-gradients``: builds new gradients on the
+imported graph, which fails with a clear error). Losses and every variable
+must be the same, on the
 compiled kernels, on the stock kernels with oneDNN off (the CPU stand-in for
 GPU towers), and with no C++ compiler at all, in the TF behaviour of the run.
 """
@@ -119,6 +121,23 @@ def _resume(directory):
     return result
 
 
+def _new_gradients(directory):
+    """Building new gradients on the imported graph: the layers' gradient functions stay behind."""
+    import tensorflow as tf
+
+    import tf_behavior
+    tf_behavior.apply()
+    import tf1_syncbn  # noqa: F401 - registers what the graph needs
+    tf1 = tf.compat.v1
+    with tf.Graph().as_default():
+        tf1.train.import_meta_graph(tf1.train.latest_checkpoint(directory) + '.meta')
+        try:
+            tf.gradients(tf1.get_collection('loss')[0], tf1.trainable_variables())
+        except LookupError as e:
+            return {'error': str(e)}
+    return {'error': None}
+
+
 def _steps(sess, train_op, loss, images, labels, start):
     import tensorflow as tf
     losses = []
@@ -160,9 +179,16 @@ def test_import_meta_graph_restore_and_train_on_equals_the_uninterrupted_run(tmp
         assert not [t for t in types if t.startswith('SyncBn')], sorted(types)
     if config == 'no-compiler':
         assert "no C++ compiler: '/nonexistent/g++'" in built, built[-2000:]
+    if config == 'compiled':
+        # New gradients through the imported layers cannot be built: a clear
+        # error (it was a KeyError from the library's internals).
+        error = _run('new-gradients', str(tmp_path), env)[0]['error']
+        assert error and 'built in another process' in error, error
+        assert 'build the model in Python again and restore the checkpoint' in error, error
 
 
 if __name__ == '__main__':
     sys.path.insert(0, HERE)
     mode, directory = sys.argv[1:3]
-    print(json.dumps((_train if mode == 'train' else _resume)(directory)))
+    print(json.dumps({'train': _train, 'resume': _resume,
+                      'new-gradients': _new_gradients}[mode](directory)))
