@@ -220,6 +220,33 @@ def test_ghost_batch_norm_with_sync_spreads_virtual_batches_over_towers(graph, r
     np.testing.assert_allclose(mv, first['var'], rtol=1e-5)
 
 
+def test_ghost_batches_over_towers_take_static_batches_of_a_share(graph, rng):
+    """Static tower batches need only be multiples of virtual_batch_size / N (was: of it all)."""
+    from tower import call_for_each_tower, get_current_tower_context
+    xs = [tf1.placeholder(tf.float32, [6, 3]) for _ in range(2)]
+
+    def tower():
+        return BatchNorm('bn', xs[get_current_tower_context().index], virtual_batch_size=4,
+                         momentum=0.0, sync_statistics=_collective())
+
+    ys = call_for_each_tower(tower, ['/cpu:0', '/cpu:1'])
+    x = (rng.randn(12, 3) * 3 + 1).astype(np.float32)
+    with make_session(graph, 2) as sess:
+        sess.run(tf1.global_variables_initializer())
+        y = np.concatenate(sess.run(ys, dict(zip(xs, np.split(x, 2)))))
+    for k in range(3):      # virtual batch k: examples [2k, 2k+2) of each tower
+        rows = [2 * k, 2 * k + 1, 6 + 2 * k, 6 + 2 * k + 1]
+        np.testing.assert_allclose(y[rows], bn_forward(x[rows], 1, 0, EPS)['y'], rtol=1e-4,
+                                   atol=1e-4)
+    # A tower batch that is not a multiple of the share is refused at graph build.
+    with tf.Graph().as_default():
+        odd = [tf1.placeholder(tf.float32, [5, 3]) for _ in range(2)]
+        with pytest.raises(ValueError, match='each of the 2 members .* multiple of 2'):
+            call_for_each_tower(lambda: BatchNorm(
+                'bn', odd[get_current_tower_context().index], virtual_batch_size=4,
+                sync_statistics=_collective()), ['/cpu:0', '/cpu:1'])
+
+
 def test_ghost_batch_size_errors(graph):
     with pytest.raises(ValueError, match='does not divide'):
         BatchNorm('bn', tf1.placeholder(tf.float32, [6, 3]), virtual_batch_size=4)

@@ -167,6 +167,16 @@ def _ghost(x, x4, fmt, layout, options, gamma, beta, plan):
                             'each member contributes %s / %d examples to every virtual '
                             'batch.' % (name, vbs, members, name, members))
     per_member = vbs // members
+    static_batch = tf.compat.dimension_value(x4.shape[0])
+    if static_batch is not None and static_batch % per_member:
+        if members == 1:
+            raise options.error('%s=%d does not divide the batch size %d.'
+                                % (name, vbs, static_batch))
+        raise options.error('%s=%d does not divide the batch size %d: each of the %d '
+                            'members of the sync group contributes %s / %d = %d examples to '
+                            'every virtual batch, so its batch must be a multiple of %d.'
+                            % (name, vbs, static_batch, members, name, members, per_member,
+                               per_member))
     batch = tf.shape(x4)[0]
     check = tf.debugging.assert_equal(
         tf.math.floormod(batch, per_member), 0,

@@ -223,8 +223,7 @@ def check_inputs(options, inputs):
     Raises:
       TypeError: for a non-tensor or non-float input.
       ValueError: for an unknown rank, a rank outside 2..5, a layout the
-        input cannot have, an unknown channel dimension, or a static batch
-        that ``virtual_batch_size`` does not divide.
+        input cannot have, or an unknown channel dimension.
     """
     x = inputs
     if not isinstance(x, (tf.Tensor, tf.Variable)):
@@ -263,10 +262,8 @@ def check_inputs(options, inputs):
         raise options.error('the channel dimension (axis %d) of inputs %s is undefined; it '
                             'must be known at graph build to create the variables.'
                             % (-1 if channels_last else 1, x.shape))
-    vbs, batch = options.virtual_batch_size, dims[0]
-    if vbs is not None and batch is not None and batch % vbs:
-        raise options.error('%s=%d does not divide the batch size %d.'
-                            % (options.arg('virtual_batch_size'), vbs, batch))
+    # (virtual_batch_size against the batch size: where the ghost batches are
+    # built, which knows how many members share each virtual batch.)
     return x, Layout(rank, channels_last, int(channels))
 
 
