@@ -353,12 +353,21 @@ def _read_json(path):
         return None
 
 
+def _checkpoint_step(path):
+    """The step of a checkpoint path ``.../model.ckpt-<step>``, or 0 (None, or no step)."""
+    try:
+        return int(path.rsplit('-', 1)[1]) if path else 0
+    except (IndexError, ValueError):
+        return 0
+
+
 def resume_problem(args):
     """Why ``--resume`` cannot continue the run in --out-dir, or None.
 
-    It needs a checkpoint of at least one of the runs, and the global batch
-    and seed of the earlier run (``run.json``, or an older run's
-    ``metrics.json``): the batch of every step follows them.
+    It needs a checkpoint of at least one of the runs, ``--steps`` no fewer
+    than the steps already trained, and the global batch and seed of the
+    earlier run (``run.json``, or an older run's ``metrics.json``): the batch
+    of every step follows them.
     """
     if not args.resume:
         return None
@@ -372,6 +381,12 @@ def resume_problem(args):
                 % (out_dir, ' (%s names checkpoint files that are not there: a run saved by an '
                              'older version, with absolute paths, then moved)' % stale[0]
                    if stale else ''))
+    trained = max(_checkpoint_step(tf1.train.latest_checkpoint(run_dir)) for run_dir in runs)
+    if args.steps < trained:
+        return ('--resume: the run in %s has trained %d steps already; --steps %d would train '
+                'none of them again and leave its metrics mixed. Pass --steps %d or more '
+                '(the learning-rate schedule follows it), or start afresh with --overwrite.'
+                % (out_dir, trained, args.steps, trained))
     earlier = _read_json(os.path.join(out_dir, 'run.json')) or \
         _read_json(os.path.join(out_dir, 'metrics.json')) or {}
     now = run_config(args, _planned_workers(args))

@@ -14,6 +14,7 @@ run in the suite's ``v2`` pass only.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -91,6 +92,17 @@ def test_resume_with_another_global_batch_refuses_and_says_what_changes(moved_ru
             'seed 0; this job has global batch 4 (1 worker x 2 towers x 2 examples per tower)'
             in out.err), out.err
     assert 'resumed' not in out.out
+
+
+def test_resume_with_fewer_steps_than_trained_refuses(moved_run, capsys):
+    # The run trained 4 steps (6 once resumed above): --steps 3 would train
+    # nothing and mix its metrics.
+    assert _demo_module().main(COMMON + ['--steps', '3', '--out-dir', moved_run,
+                                         '--resume']) == 2
+    out = capsys.readouterr()
+    trained = re.search(r'has trained (\d+) steps already; --steps 3 would train none', out.err)
+    assert trained and int(trained.group(1)) >= 4, out.err
+    assert 'Pass --steps %s or more' % trained.group(1) in out.err, out.err
 
 
 def test_help_shows_every_default(capsys):
