@@ -16,12 +16,20 @@ The one place that knows how TensorFlow hands out ``tf.compat.v1.layers``:
   tf-keras is not loaded yet, once it is: tf-keras is never imported here.
   ``conv2d``, ``dense`` and the rest stay tf-keras'.
 
+* A script (or a module it imports) may also import the submodule itself,
+  ``from tensorflow.compat.v1.layers import batch_normalization`` or
+  ``import tensorflow.compat.v1.layers``: Python then loads a module of
+  that name, which replaces the loader as ``tf.compat.v1.layers``. While the
+  patch is active, an import hook puts this library's two names into that
+  module as it loads (with or without tf-keras).
+
 tf-keras' and TensorFlow's own modules (``tf_keras.src``,
 ``tensorflow.python``) keep tf-keras' layer, so ``slim.batch_norm``, which
 builds it internally, is unchanged (use :func:`tf1_syncbn.sync_arg_scope`).
 """
 
 import functools
+import importlib.abc
 import sys
 import threading
 import types
@@ -37,6 +45,8 @@ _KERAS_MODULE = 'tf_keras.src.legacy_tf_layers.normalization'
 _INTERNAL = ('tf_keras.src.', 'tensorflow.python.')
 #: The submodule TensorFlow's lazy loader of ``tf.compat.v1.layers`` resolves.
 _LOADER_SUBMODULE = '__internal__.legacy.layers'
+#: The module an import statement loads in the loader's place.
+_IMPORTED_MODULE = 'tensorflow.compat.v1.layers'
 _MISSING = object()
 _LOCK = threading.Lock()
 _ACTIVE = []      # the active patch, if any
@@ -69,6 +79,54 @@ def _namespaces():
             yield key, wrapped
 
 
+class _ImportHook(importlib.abc.MetaPathFinder):
+    """A ``sys.meta_path`` finder: calls ``on_import(module)`` when ``name`` has been loaded.
+
+    It finds nothing itself: it asks the finders after it, and wraps the
+    loader of their spec so that ``on_import`` runs right after the module's
+    code (before the import statement binds any name from it).
+    """
+
+    def __init__(self, name, on_import):
+        self._name = name
+        self._on_import = on_import
+        self._finding = False
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self._name or self._finding:
+            return None
+        self._finding = True
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, 'find_spec'):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None
+        finally:
+            self._finding = False
+        if spec.loader is not None and hasattr(spec.loader, 'exec_module'):
+            spec.loader = _NotifyingLoader(spec.loader, self._on_import)
+        return spec
+
+
+class _NotifyingLoader(importlib.abc.Loader):
+    """``loader``, then ``on_import(module)`` once the module's code has run."""
+
+    def __init__(self, loader, on_import):
+        self._loader = loader
+        self._on_import = on_import
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        self._on_import(module)
+
+
 class _Patch(object):
     """The handle :func:`patch_tf_layers` returns: a context manager, or call :meth:`restore`."""
 
@@ -93,12 +151,30 @@ class _Patch(object):
             setattr(space, attribute, value)
 
         def undo():
-            if not loader:
-                setattr(space, attribute, previous)
-            elif previous is _MISSING:
+            if previous is _MISSING:
                 namespace.pop(attribute, None)
+            elif not loader:
+                setattr(space, attribute, previous)
             else:
                 namespace[attribute] = previous
+        self._undo.append(undo)
+
+    def _watch_imports(self):
+        """Patches ``tensorflow.compat.v1.layers`` when an import statement loads it as a module."""
+        def on_import(module):
+            with _LOCK:
+                if not self._active:
+                    return
+                for name in _NAMES:
+                    self._set(module, name, self._replacements[name])
+                self._apply()
+
+        hook = _ImportHook(_IMPORTED_MODULE, on_import)
+        sys.meta_path.insert(0, hook)
+
+        def undo():
+            if hook in sys.meta_path:
+                sys.meta_path.remove(hook)
         self._undo.append(undo)
 
     def _apply(self):
@@ -218,6 +294,11 @@ def patch_tf_layers(sync_statistics='auto', num_dev=None):
         patch = _Patch(_replacements(sync_statistics, num_dev))
         try:
             patch._apply()  # noqa: SLF001
+            loaded = sys.modules.get(_IMPORTED_MODULE)
+            if loaded is not None and not _is_layers_loader(loaded):
+                for name in _NAMES:            # imported as a module before the patch
+                    patch._set(loaded, name, patch._replacements[name])  # noqa: SLF001
+            patch._watch_imports()  # noqa: SLF001
         except BaseException:
             patch._active = False  # noqa: SLF001
             while patch._undo:  # noqa: SLF001
