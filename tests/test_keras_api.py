@@ -225,6 +225,30 @@ def test_num_dev_outside_any_tower_is_an_error_but_not_for_the_models_own_graph(
             model(tf1.placeholder(tf.float32, (None, 4)), training=True)
 
 
+def test_model_build_before_the_tower_loop_is_one_device_and_towers_synchronize():
+    """``model.build(input_shape)`` (Keras' own placeholders, no Keras history) before a
+    tower_%d loop: one device (it was the 'outside any tower' error); the towers synchronize."""
+    x = _data().reshape(6, -1)[:, :4]
+    with tf.Graph().as_default() as graph:
+        with sync_keras.patch_keras(num_dev=TOWERS):
+            model = tf_keras.Sequential([tf_keras.layers.BatchNormalization(name='bn',
+                                                                            momentum=0.0)])
+            model.build((None, 4))
+        placeholders = [tf1.placeholder(tf.float32, (None, 4)) for _ in range(TOWERS)]
+        outputs = []
+        for i in range(TOWERS):
+            with tf.device('/cpu:%d' % i), tf.name_scope('tower_%d' % i):
+                outputs.append(model(placeholders[i], training=True))
+        assert sorted({op.type for op in graph.get_operations()
+                       if op.type.startswith('Collective')}) == ['CollectiveReduce']
+        with tf1.Session(config=tf1.ConfigProto(device_count={'CPU': TOWERS})) as sess:
+            sess.run(tf1.global_variables_initializer())
+            ours = np.concatenate(sess.run(outputs, {placeholders[0]: x[:2],
+                                                     placeholders[1]: x[2:]}))
+    want = (x - x.mean(0)) / np.sqrt(x.var(0) + 1e-3)          # the global batch's statistics
+    np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4)
+
+
 def test_fit_on_one_device_is_tf_keras():
     """Keras' own v1 training loop (``compile`` / ``fit``) with the layer: tf-keras' numbers."""
     rng = np.random.RandomState(0)

@@ -8,6 +8,9 @@ code: :func:`tf1_syncbn._tf_layers_rules.ghost_batches_in_training`.) Nothing he
 tf-keras: the layer passes in what it read from tf-keras.
 """
 
+import inspect
+import os
+
 import tensorflow as tf
 
 __all__ = ['training_value', 'keras_channel_axes', 'is_model_graph_call', 'check_keras_graph']
@@ -68,6 +71,28 @@ def keras_channel_axes(layer, axes, axis_argument, virtual_batch_size):
             'cannot share; this layer normalizes over the batch. Pass the channel axis or '
             'axes.' % (layer, axis_argument))
     return axes
+
+
+#: tf-keras' ``Model.build``: where it is defined.
+_MODEL_BUILD = ('build', os.path.join('tf_keras', 'src', 'engine', 'training.py'))
+
+
+def in_keras_model_build():
+    """Whether the call comes from tf-keras' ``Model.build(input_shape)``.
+
+    In a TF1 graph, ``model.build((None, 3))`` calls the model on
+    placeholders it makes for the purpose (without Keras' history), only to
+    create the weights; nothing feeds or runs that graph. Such a call, made
+    before the towers are built, normalizes on one device like the model's
+    own graph (:func:`is_model_graph_call`). Found on the Python stack.
+    """
+    frame = inspect.currentframe()
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == _MODEL_BUILD[0] and code.co_filename.endswith(_MODEL_BUILD[1]):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def is_model_graph_call(inputs):

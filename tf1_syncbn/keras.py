@@ -40,8 +40,8 @@ except ImportError as _error:  # the message says how to install it
 
 from tf1_syncbn._axes import adjustment_in_view, from_view, needs_view, plan_view, to_view
 from tf1_syncbn._core import batch_norm
-from tf1_syncbn._keras_rules import (check_keras_graph, is_model_graph_call, keras_channel_axes,
-                                     training_value)
+from tf1_syncbn._keras_rules import (check_keras_graph, in_keras_model_build, is_model_graph_call,
+                                     keras_channel_axes, training_value)
 from tf1_syncbn._options import check_inputs, check_options
 from tf1_syncbn._tf_layers_rules import ghost_batches_in_training
 from tf1_syncbn.keras_compat import ClassPatch, class_with_defaults
@@ -117,7 +117,7 @@ class _Synchronized(object):
         vbs = self.virtual_batch_size
         axes = keras_channel_axes(layer, self.axis, self._axis_argument, vbs)
         weights = self._mask_weights(layer, mask, rank)
-        one_device = is_model_graph_call(self._called_on(inputs))
+        one_device = is_model_graph_call(self._called_on(inputs)) or in_keras_model_build()
         # Axes other than one channel axis 1 or last: the core normalizes a view
         # of the input in which they are one channel axis (tf1_syncbn._axes).
         view, source, adjustment = None, x, self.adjustment
