@@ -32,7 +32,7 @@ __all__ = ['audit_graph']
 _UPDATE_FIX = ('Run them in the same step: build the train op under '
                'tf.control_dependencies(tf.compat.v1.get_collection('
                'tf.compat.v1.GraphKeys.UPDATE_OPS)) (Keras layers: their layer.updates), '
-               'fetch them with the train op, or build the layer with '
+               'fetch them with the train op, or (slim) build the layer with '
                'updates_collections=None.')
 
 
@@ -165,10 +165,11 @@ def _sync_problems(key, computation, towers, synced_towers, sizes, backends):
         if computation == 'tf1_syncbn':
             fix = ("Pass sync_statistics='auto' (or a backend) instead of None")
         else:
-            fix = ('Synchronize it: tf1_syncbn.sync_batch_norm as the normalizer_fn (slim, '
-                   'tf.layers, Keras), the net built inside tf1_syncbn.sync_arg_scope() '
-                   '(tf_slim.nets), tf1_syncbn.BatchNorm or tf1_syncbn.patch_tensorpack() '
-                   '(tensorpack)')
+            fix = ('Synchronize it: tf1_syncbn.sync_batch_norm as the normalizer_fn (slim; '
+                   'tf_slim.nets built inside tf1_syncbn.sync_arg_scope()), '
+                   'tf1_syncbn.patch_tf_layers() or tf1_syncbn.layers (tf.layers), '
+                   'tf1_syncbn.keras.patch_keras() (Keras), tf1_syncbn.BatchNorm or '
+                   'tf1_syncbn.patch_tensorpack() (tensorpack)')
         return ['%s: built in %d towers (%s) but normalizes each tower with its own batch\'s '
                 'statistics (no all-reduce). %s; add num_dev=%d where no tower context gives '
                 'the number of towers (tower_<i> / clone_<i> loops).'
