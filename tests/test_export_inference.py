@@ -274,8 +274,9 @@ def test_a_placeholder_the_outputs_need_must_be_an_input_or_a_constant(graph):
     x, is_training, y = _one_layer_graph(graph)
     with tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
-        with pytest.raises(ValueError, match=r'need the placeholders model/is_training .*'
-                                             r'constants \(for example \{is_training: False'):
+        with pytest.raises(ValueError, match=r"need the training graph's placeholders "
+                                             r"'is_training', .*constants \(for example "
+                                             r'constants=\{is_training: False'):
             export.inference_graph_def(sess, {'x': x}, {'y': y})
         graph_def = export.inference_graph_def(sess, {'x': x}, {'y': y}, {is_training: False})
     assert 'FusedBatchNormV3' in {node.op for node in graph_def.node}
@@ -313,6 +314,178 @@ def test_a_layer_inside_a_cond_function_body_is_named_not_exported_in_training_m
                                              r'function body.*sync_batch_norm\(BatchNorm\)'):
             export.inference_graph_def(sess, {'x': x}, {'y': y}, {is_training: True})
 
+
+
+# --- Placement and scoped imports (in this process). ----------------------------------------
+
+
+def _served_by_one_cpu(graph_def, export_dir, feed):
+    """``logits`` served from the GraphDef and the SavedModel by sessions with ONE CPU device.
+
+    No soft placement: a node pinned to another device (in a function body
+    too) fails, as on a serving machine without the training machine's GPUs.
+    """
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    one_cpu = tf1.ConfigProto(device_count={'CPU': 1}, allow_soft_placement=False)
+    with tf.Graph().as_default() as served:
+        tf.import_graph_def(graph_def, name='')
+        with tf1.Session(graph=served, config=one_cpu) as sess:
+            frozen = sess.run('logits:0', {'images:0': feed})
+    with tf.Graph().as_default() as served, tf1.Session(graph=served, config=one_cpu) as sess:
+        meta_graph = tf1.saved_model.load(sess, ['serve'], export_dir)
+        signature = meta_graph.signature_def['serving_default']
+        saved = sess.run(signature.outputs['logits'].name,
+                         {signature.inputs['images'].name: feed})
+    return frozen, saved, meta_graph.graph_def
+
+
+def test_exported_graphs_hold_no_device_even_in_function_bodies(graph, tmp_path):
+    """Tower 0 on '/cpu:1' (a training machine's GPU), served where only CPU:0 exists.
+
+    In TF2 behaviour the tensor is_training makes the layer's and dropout's
+    tf.cond ``If`` ops whose branch functions kept '/device:CPU:1' (a plain
+    session refused them: 'was explicitly assigned to /device:CPU:1 but
+    available devices are [ ... CPU:0 ]').
+    """
+    import tensorflow as tf
+    import tf_slim as slim
+
+    import tf1_syncbn
+    import tf_behavior
+    from tower import call_for_each_tower, get_current_tower_context, virtual_cpu_config
+    tf1 = tf.compat.v1
+    x = tf1.placeholder(tf.float32, [4, 6, 6, 3], name='x')
+    is_training = tf1.placeholder_with_default(True, [], name='is_training')
+    parts = tf.split(x, 2)
+
+    def tower():
+        net = slim.conv2d(parts[get_current_tower_context().index], 8, [3, 3],
+                          normalizer_fn=tf1_syncbn.sync_batch_norm,
+                          normalizer_params={'is_training': is_training,
+                                             'sync_statistics': 'auto'}, scope='conv')
+        net = slim.dropout(net, 0.5, is_training=is_training, scope='drop')
+        return slim.fully_connected(tf.reduce_mean(net, [1, 2]), 5, activation_fn=None,
+                                    scope='fc')
+
+    logits = call_for_each_tower(tower, ['/cpu:1', '/cpu:2'])
+    data = np.random.RandomState(3).rand(4, 6, 6, 3).astype(np.float32)
+    export_dir = str(tmp_path / 'serving' / '1')
+    with tf1.Session(config=virtual_cpu_config(3)) as sess:
+        sess.run(tf1.global_variables_initializer())
+        expected = sess.run(logits[0], {x: data, is_training: False})
+        args = ({'images': parts[0]}, {'logits': logits[0]}, {is_training: False})
+        graph_def = tf1_syncbn.export.inference_graph_def(sess, *args)
+        tf1_syncbn.export.export_saved_model(sess, export_dir, *args)
+    frozen, saved, saved_graph_def = _served_by_one_cpu(graph_def, export_dir, data[:2])
+    np.testing.assert_allclose(frozen, expected[:2], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(saved, expected[:2], rtol=1e-5, atol=1e-5)
+    for where, exported in (('GraphDef', graph_def), ('SavedModel', saved_graph_def)):
+        bodies = [n for f in exported.library.function for n in f.node_def]
+        if not tf_behavior.is_v1():
+            assert bodies, '%s: the case lost its tf.cond function bodies' % where
+        placed = ['%s: %s %s' % (n.name, n.device, list(n.attr['_class'].list.s))
+                  for n in list(exported.node) + bodies
+                  if n.device or '_class' in n.attr]
+        assert placed == [], where
+
+
+@pytest.mark.parametrize('towers,kind,scope', [(1, 'python', 'restored'),
+                                               (4, 'tensor', 'restored/run_2')])
+def test_a_graph_imported_with_an_import_scope_exports(towers, kind, scope, tmp_path):
+    """``import_meta_graph(..., import_scope=...)`` prefixes the scope onto the records too.
+
+    Before, the export failed with a raw ``JSONDecodeError``: the collection
+    held ``'restored/{...}'``.
+    """
+    import tensorflow as tf
+
+    import tf1_syncbn
+    from tower import call_for_each_tower, get_current_tower_context, virtual_cpu_config
+    tf1 = tf.compat.v1
+    path = str(tmp_path / 'model.ckpt')
+    data = _data(5, 2 * towers)
+    with tf.Graph().as_default():
+        images = tf1.placeholder(tf.float32, [2 * towers, 5, 5, 3], name='images')
+        parts = tf.split(images, towers, name='parts')
+        is_training = tf1.placeholder(tf.bool, [], name='is_training') \
+            if kind == 'tensor' else True
+
+        def tower():
+            return _model('slim', parts[get_current_tower_context().index], is_training)
+
+        outs = call_for_each_tower(tower, ['/cpu:%d' % i for i in range(towers)])
+        loss = tf.add_n([tf.reduce_sum(tf.square(o - 1.0)) for o in outs])
+        with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+            train = tf1.train.GradientDescentOptimizer(0.01).minimize(loss)
+        with tf1.variable_scope(tf1.get_variable_scope(), reuse=True), tf1.name_scope('eval'):
+            eval_x = tf1.placeholder(tf.float32, [None, 5, 5, 3])
+            eval_y = _model('slim', eval_x, False)
+        feed = {is_training: True} if kind == 'tensor' else {}
+        saver = tf1.train.Saver()
+        with tf1.Session(config=virtual_cpu_config(towers)) as sess:
+            sess.run(tf1.global_variables_initializer())
+            for step in range(2):
+                sess.run(train, {images: _data(step, 2 * towers), **feed})
+            expected = sess.run(eval_y, {eval_x: data[:2]})
+            saver.save(sess, path)
+        output = outs[0].name
+    with tf.Graph().as_default():
+        saver = tf1.train.import_meta_graph(path + '.meta', import_scope=scope)
+        with tf1.Session(config=virtual_cpu_config(towers)) as sess:
+            saver.restore(sess, path)
+            graph_def = tf1_syncbn.export.inference_graph_def(
+                sess, {'images': scope + '/parts:0'}, {'output': scope + '/' + output},
+                {scope + '/is_training:0': False} if kind == 'tensor' else None)
+    types = {node.op for node in graph_def.node}
+    assert 'FusedBatchNormV3' in types and not [t for t in types if t.startswith(FORBIDDEN)]
+    with tf.Graph().as_default() as served:
+        tf.import_graph_def(graph_def, name='')
+        with tf1.Session(graph=served) as sess:
+            np.testing.assert_allclose(sess.run('output:0', {'images:0': data[:2]}), expected,
+                                       rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('case', ['tensorpack', 'slim'])
+def test_layers_that_update_their_moving_averages_inside_export(graph, case):
+    """Updates inside the layer: tensorpack's with sync_statistics set, slim's with None.
+
+    TensorFlow's own freeze keeps the output's control dependencies on the
+    assign ops, whose variables became constants: that graph does not
+    import. The export leaves the updates out (and runs none of them).
+    """
+    import tensorflow as tf
+
+    import tf1_syncbn
+    tf1 = tf.compat.v1
+    x = tf1.placeholder(tf.float32, [None, 3], name='x')
+    is_training = tf1.placeholder_with_default(True, [], name='is_training')
+    if case == 'tensorpack':
+        y = tf1_syncbn.BatchNorm('bn', x, training=is_training, sync_statistics='auto')
+    else:
+        y = tf1_syncbn.sync_batch_norm(x, is_training=is_training, updates_collections=None)
+    y = tf.identity(y, name='y')
+    assert tf1.get_collection(tf1.GraphKeys.UPDATE_OPS) == []
+    data = np.random.RandomState(2).randn(4, 3).astype(np.float32) * 3 + 2
+    with tf1.Session() as sess:
+        sess.run(tf1.global_variables_initializer())
+        for _ in range(3):
+            sess.run(y, {x: data})
+        expected = sess.run(y, {x: data, is_training: False})
+        moving = sess.run(tf1.global_variables())
+        frozen = tf1.graph_util.convert_variables_to_constants(sess, graph.as_graph_def(), ['y'])
+        graph_def = tf1_syncbn.export.inference_graph_def(sess, {'x': x}, {'y': y},
+                                                          {is_training: False})
+        for before, after in zip(moving, sess.run(tf1.global_variables())):
+            np.testing.assert_array_equal(before, after)
+    with tf.Graph().as_default(), pytest.raises(ValueError, match='incompatible with expected'):
+        tf.import_graph_def(frozen, name='')
+    assert not [n.name for n in graph_def.node if n.op.startswith('Assign')]
+    with tf.Graph().as_default() as served:
+        tf.import_graph_def(graph_def, name='')
+        with tf1.Session(graph=served) as sess:
+            np.testing.assert_allclose(sess.run('y:0', {'x:0': data}), expected,
+                                       rtol=1e-5, atol=1e-5)
 
 if __name__ == '__main__':
     sys.path.insert(0, HERE)

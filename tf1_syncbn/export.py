@@ -38,13 +38,18 @@ Example (tower 0 of a 4-tower training graph, ``is_training`` a placeholder)::
 
 Layers built inside a user's ``tf.cond``/``tf.while_loop`` function body
 (control flow v2) cannot be rewired; the exporter then fails, naming them.
+Arguments that would export something else than they say (a placeholder
+left at its default, the full batch where a tower's share was meant, a
+constant that does not fit its tensor) fail too, naming the argument
+(:mod:`tf1_syncbn._export_checks`).
 """
 
 import re
 
 import tensorflow as tf
 
-from tf1_syncbn import _inference_records, _math
+from tf1_syncbn import _export_checks as _checks
+from tf1_syncbn import _math
 
 tf1 = tf.compat.v1
 
@@ -63,34 +68,46 @@ def inference_graph_def(session, inputs, outputs, constants=None):
 
     Args:
       session: a ``tf.compat.v1.Session`` whose graph is the training graph
-        and which holds the trained variable values (initialized or restored).
+        and which holds the trained variable values (initialized or restored;
+        also a graph imported with ``import_meta_graph``, with or without an
+        ``import_scope``).
       inputs: ``{name: tensor}``: tensors of the training graph that become
-        the exported graph's placeholders, named ``name`` (tower 0's images:
-        the tensor its layers consume, for example ``tf.split(images, 4)[0]``).
-        Their batch dimension becomes free (``None``). A tensor may be given
-        by its name (``'tower_0/images:0'``).
+        the exported graph's placeholders, named ``name``: the tensor the
+        exported tower's layers consume (tower 0's share of the batch, for
+        example ``tf.split(images, 4)[0]``, not ``images``, which would serve
+        that share of each request only). Their batch dimension becomes free
+        (``None``). A tensor may be given by its name (``'tower_0/images:0'``).
       outputs: ``{name: tensor}``: the tensors to export (tower 0's logits),
         which become ``Identity`` ops named ``name``.
       constants: ``{tensor: value}``: tensors of the training graph replaced
         by constants, for example ``{is_training: False}`` or a dropout rate;
-        those no output needs are ignored.
+        each value must fit its tensor's dtype and shape (as a fed value);
+        those no output needs are ignored. A ``placeholder_with_default`` the
+        outputs need must be given here (or in ``inputs``): its default is
+        not kept.
 
     Returns:
       A ``GraphDef`` with placeholders and outputs named by the keys of
       ``inputs`` and ``outputs``, the rest under ``model/``; no variable, no
-      device, no colocation.
+      device, no colocation (in function bodies neither).
 
     Raises:
-      TypeError, ValueError: naming the argument: a name that is no valid op
-        name or given twice, a tensor of another graph, an input no output
-        depends on, a placeholder the outputs need that is neither an input
-        nor a constant, or library ops, collectives or Python ops the
-        outputs still need (a layer inside a ``tf.cond`` function body, a
-        user's ``py_func``), with the ops named.
+      TypeError: naming the argument: ``session`` that is no session,
+        ``inputs``, ``outputs`` or ``constants`` that is no dict, a value of
+        ``constants`` of another dtype.
+      ValueError: naming the argument: a name that is no valid op name or a
+        tensor given twice, a tensor of another graph, a constant of another
+        shape, an input no output depends on, an input the outputs reach
+        only through a ``tf.split`` of its batch (the full batch where a
+        tower's share was meant), a placeholder (``placeholder_with_default``
+        included) the outputs need that is neither an input nor a constant,
+        or library ops, collectives or Python ops the outputs still need (a
+        layer inside a ``tf.cond`` function body, a user's ``py_func``), with
+        the ops named.
 
     Hangs: never; runs no training op (only reads the variables).
     """
-    graph = session.graph
+    graph = _checks.session_graph(session)
     inputs = _tensors(graph, inputs, 'inputs')
     outputs = _tensors(graph, outputs, 'outputs')
     if not outputs:
@@ -99,41 +116,47 @@ def inference_graph_def(session, inputs, outputs, constants=None):
     if clash:
         raise ValueError('tf1_syncbn.export: %s named both in inputs and outputs; give every '
                          'tensor its own name.' % clash)
-    fixed = {}
-    for key, value in (constants or {}).items():
-        fixed[_tensor(graph, key, 'constants')] = value
-    records = _inference_records.records(graph)
+    fixed = _checks.constant_values(constants, lambda key, what: _tensor(graph, key, what))
+    _checks.distinct(inputs, fixed)
+    records = _checks.records(graph)
     source = _extract(graph.as_graph_def(), [t.op.name for t in outputs.values()] +
                       _parameter_ops(records))
-    present = {node.name for node in source.node}
+    consumed = _checks.consumed(source)
+    output_names = {t.name for t in outputs.values()}
 
     work = tf.Graph()
     with work.as_default(), tf1.name_scope(_SCOPE + '/'):
-        input_map = {}
+        served, input_map = {}, {}
         for i, (key, tensor) in enumerate(sorted(inputs.items())):
-            if tensor.op.name not in present:
-                raise ValueError('tf1_syncbn.export: inputs[%r] = %s: no output depends on it.'
+            if tensor.name not in consumed and tensor.name not in output_names:
+                raise ValueError('tf1_syncbn.export: inputs[%r] = %s: no output depends on it '
+                                 "(for example another tower's input than the outputs' "
+                                 "tower); give the tensor the outputs' layers consume."
                                  % (key, tensor.name))
-            input_map[tensor.name] = tf1.placeholder(tensor.dtype.base_dtype,
-                                                     _free_batch(tensor.shape),
-                                                     name='input_%d' % i)
+            served[tensor.name] = tf1.placeholder(tensor.dtype.base_dtype,
+                                                  _free_batch(tensor.shape),
+                                                  name='input_%d' % i)
+            if tensor.name in consumed:
+                input_map[tensor.name] = served[tensor.name]
         for i, (tensor, value) in enumerate(fixed.items()):
-            if tensor.op.name in present:
+            if tensor.name in consumed:
                 input_map[tensor.name] = tf.constant(value, tensor.dtype.base_dtype,
                                                      name='constant_%d' % i)
     with work.as_default():
         tf.import_graph_def(source, input_map=input_map, name='')
         twins = _build_twins(work, records, input_map)
         with tf1.name_scope(_SCOPE + '/'):
-            names = {key: tf.identity(work.get_tensor_by_name(t.name),
+            names = {key: tf.identity(served.get(t.name, work.get_tensor_by_name(t.name)),
                                       name='output_%d' % i).op.name
                      for i, (key, t) in enumerate(sorted(outputs.items()))}
     rewired = _rewire(work.as_graph_def(), twins)
     needed = _extract(rewired, list(names.values()))
+    placeholders = {key: served[inputs[key].name].op.name for key in inputs}
+    _checks.check_needed(needed, {key: (placeholders[key], inputs[key].name) for key in inputs},
+                         _SCOPE)
     _check_layers(needed, records)
     frozen = tf1.graph_util.convert_variables_to_constants(session, needed,
                                                            list(names.values()))
-    placeholders = {key: input_map[inputs[key].name].op.name for key in inputs}
     return _finish(frozen, placeholders, names, inputs)
 
 
@@ -143,7 +166,7 @@ def export_saved_model(session, export_dir, inputs, outputs, constants=None):
     Args:
       session, inputs, outputs, constants: as for :func:`inference_graph_def`;
         the signature's inputs and outputs are named by the keys.
-      export_dir: a directory that does not exist yet.
+      export_dir: a directory that does not exist yet (or is empty).
 
     Returns:
       ``export_dir``. It loads with ``tf.saved_model.load(export_dir)`` (whose
@@ -151,9 +174,11 @@ def export_saved_model(session, export_dir, inputs, outputs, constants=None):
       tensor}``) or ``tf.compat.v1.saved_model.load``, without this library.
 
     Raises:
-      As :func:`inference_graph_def`; ``AssertionError`` from TensorFlow's
-      builder when ``export_dir`` exists.
+      As :func:`inference_graph_def`; also ``TypeError`` when ``export_dir``
+      is no path, ``ValueError`` when it is a file, inside one, or a
+      directory that is not empty (checked before anything is exported).
     """
+    export_dir = _checks.export_dir(export_dir)
     graph_def = inference_graph_def(session, inputs, outputs, constants)
     graph = tf.Graph()
     with graph.as_default():
@@ -236,12 +261,24 @@ def _extract(graph_def, names):
     Without placement: no device, and no colocation (``_class``), which would
     keep nodes the outputs do not need (an input that became a placeholder).
     """
-    for node in graph_def.node:
-        node.device = ''
-        node.attr.pop('_class', None)
+    _strip_placement(graph_def)
     present = {node.name for node in graph_def.node}
     out = tf1.graph_util.extract_sub_graph(graph_def, [n for n in names if n in present])
     return _prune_library(out)
+
+
+def _strip_placement(graph_def):
+    """Clears the device and colocation of every node, in function bodies too.
+
+    A ``tf.cond`` of control flow v2 (a tensor ``is_training``, ``slim.dropout``)
+    is an ``If`` op whose branch functions keep the devices their ops were
+    built on (``/device:GPU:0`` of the training tower), which a serving
+    machine without that device refuses.
+    """
+    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+    for node in nodes:
+        node.device = ''
+        node.attr.pop('_class', None)
 
 
 def _prune_library(graph_def):
