@@ -25,6 +25,8 @@ defines the replacements) has.
 import sys
 import threading
 
+from tf1_syncbn._modules import loaded_modules, namespace
+
 __all__ = ['ClassPatch', 'class_with_defaults']
 
 #: The module whose ``LOCAL`` caches tf-keras' layer classes per thread.
@@ -33,30 +35,6 @@ _SERIALIZATION_MODULE = 'tf_keras.src.layers.serialization'
 _OWN = ('tf1_syncbn.', 'tf1_syncbn')
 _LOCK = threading.Lock()
 _ACTIVE = []      # the active patch, if any
-
-
-def _namespace(value):
-    """``value.__dict__``, or None (lazy loaders and some proxies must not be touched)."""
-    try:
-        namespace = object.__getattribute__(value, '__dict__')
-    except Exception:  # noqa: BLE001 - no namespace to look into, whatever the reason
-        return None
-    return namespace if isinstance(namespace, dict) else None
-
-
-def _namespaces():
-    """``(module name, namespace dict)`` of every loaded module, wrapped modules included."""
-    for key, module in list(sys.modules.items()):
-        namespace = _namespace(module)
-        if namespace is None:
-            continue
-        name = namespace.get('__name__', key)
-        if not isinstance(name, str):
-            name = key
-        yield name, namespace
-        wrapped = namespace.get('_tfmw_wrapped_module')
-        if wrapped is not None and _namespace(wrapped) is not None:
-            yield name, _namespace(wrapped)
 
 
 def _own(name):
@@ -128,12 +106,13 @@ class ClassPatch(object):
     def _replace(self):
         originals = {id(original): replacement
                      for original, replacement in self._replacements.items()}
-        for name, namespace in _namespaces():
+        for name, module in loaded_modules():
             if _own(name):
                 continue
-            for attribute, value in list(namespace.items()):
+            space = namespace(module)
+            for attribute, value in list(space.items()):
                 if id(value) in originals:
-                    self._set(namespace, attribute, originals[id(value)])
+                    self._set(space, attribute, originals[id(value)])
         serialization = sys.modules.get(_SERIALIZATION_MODULE)
         if serialization is not None:
             self._set(vars(serialization), 'LOCAL', threading.local())
@@ -145,12 +124,13 @@ class ClassPatch(object):
         # Modules imported while the patch was active hold replacements too.
         back = {id(replacement): original
                 for original, replacement in self._replacements.items()}
-        for name, namespace in _namespaces():
+        for name, module in loaded_modules():
             if _own(name):
                 continue
-            for attribute, value in list(namespace.items()):
+            space = namespace(module)
+            for attribute, value in list(space.items()):
                 if id(value) in back:
-                    namespace[attribute] = back[id(value)]
+                    space[attribute] = back[id(value)]
 
     def restore(self):
         """Puts tf-keras' classes back where they were; idempotent."""

@@ -21,6 +21,8 @@ import inspect
 import sys
 import threading
 
+from tf1_syncbn._modules import loaded_modules, namespace
+
 __all__ = ['patch_tensorpack', 'tensorpack_layer']
 
 _LAYER_NAMES = ('BatchNorm', 'BatchRenorm')
@@ -104,11 +106,8 @@ def _attributes_holding(originals):
     """
     by_id = {id(f): f for f in originals.values()}
     found = []
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, '__dict__', None)
-        if not isinstance(namespace, dict):
-            continue
-        for attribute, value in list(namespace.items()):
+    for _, module in loaded_modules():
+        for attribute, value in list(namespace(module).items()):
             if id(value) in by_id and value is by_id[id(value)]:
                 found.append((module, attribute, value))
     return found

@@ -35,6 +35,7 @@ import threading
 import types
 
 from tf1_syncbn import layers
+from tf1_syncbn._modules import loaded_modules, namespace
 
 __all__ = ['patch_tf_layers']
 
@@ -52,31 +53,10 @@ _LOCK = threading.Lock()
 _ACTIVE = []      # the active patch, if any
 
 
-def _namespace(value):
-    """``value.__dict__``, or None (some proxies raise on any attribute access)."""
-    try:
-        namespace = object.__getattribute__(value, '__dict__')
-    except Exception:  # noqa: BLE001 - no namespace to look into, whatever the reason
-        return None
-    return namespace if isinstance(namespace, dict) else None
-
-
 def _is_layers_loader(value):
     """Whether ``value`` is TensorFlow's lazy loader of ``tf.compat.v1.layers``."""
-    namespace = _namespace(value) if isinstance(value, types.ModuleType) else None
-    return namespace is not None and namespace.get('_tfll_submodule') == _LOADER_SUBMODULE
-
-
-def _namespaces():
-    """``(name, object)`` for every loaded module, and the module a TF wrapper wraps."""
-    for key, module in list(sys.modules.items()):
-        namespace = _namespace(module)
-        if namespace is None:
-            continue
-        yield namespace.get('__name__', key), module
-        wrapped = namespace.get('_tfmw_wrapped_module')
-        if wrapped is not None:
-            yield key, wrapped
+    space = namespace(value) if isinstance(value, types.ModuleType) else None
+    return space is not None and space.get('_tfll_submodule') == _LOADER_SUBMODULE
 
 
 class _ImportHook(importlib.abc.MetaPathFinder):
@@ -190,7 +170,7 @@ class _Patch(object):
                 if original is not None:
                     originals[id(original)] = self._replacements[name]
         loaders = {}
-        for name, space in _namespaces():
+        for name, space in loaded_modules():
             internal = name.startswith(_INTERNAL)
             for attribute, value in list(vars(space).items()):
                 if _is_layers_loader(value):
