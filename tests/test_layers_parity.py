@@ -207,6 +207,15 @@ def test_errors_name_the_layer_and_the_argument(shape, kwargs, error, match):
         _build(shape, **kwargs)
 
 
+def test_numpy_integer_axes_are_taken_and_a_bool_axis_is_refused():
+    # tf.layers takes numpy integers (an axis read from a config or an array).
+    for axis in ([np.int32(1)], np.int64(-1), (np.int64(1), 2)):
+        y = _build([6, 5, 4], axis=axis, training=True)
+        assert y.shape.as_list() == [6, 5, 4]
+    with pytest.raises(TypeError, match="argument 'axis'"):       # a deliberate difference
+        _build([6, 5, 4], axis=True)
+
+
 def test_an_unknown_keyword_is_a_type_error():
     with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['foo'\]"):
         layers.BatchNormalization(foo=1)

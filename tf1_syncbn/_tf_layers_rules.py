@@ -7,6 +7,9 @@ initializers, regularizers and constraints it accepts. Errors name the layer
 (with its scope) and the argument as the user spelled it.
 """
 
+import numbers
+
+import numpy as np
 import tensorflow as tf
 
 from tf1_syncbn._options import replaced_layer_is_fused
@@ -88,13 +91,20 @@ def unique_layer_name(graph):
     return '%s_%d' % (BASE_NAME, counter[0])
 
 
+def _is_axis(value):
+    """An integer of any kind (numpy's too), but no bool (``axis=True`` is surely a mistake)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
 def check_axis_type(layer, axis):
-    """``axis`` as tf.layers takes it: an int, or a non-empty list/tuple of ints (as a list)."""
-    if isinstance(axis, (list, tuple)) and axis and \
-            all(isinstance(a, int) and not isinstance(a, bool) for a in axis):
-        return list(axis)
-    if isinstance(axis, int) and not isinstance(axis, bool):
-        return axis
+    """``axis`` as tf.layers takes it: an int, or a non-empty list/tuple of ints (as a list).
+
+    Numpy integers are taken as ints (``axis=np.int32(1)``, ``[np.int64(3)]``).
+    """
+    if isinstance(axis, (list, tuple)) and axis and all(_is_axis(a) for a in axis):
+        return [int(a) for a in axis]
+    if _is_axis(axis):
+        return int(axis)
     raise TypeError("%s: expected an int or a list/tuple of ints for the argument 'axis', "
                     "but received: %r" % (layer, axis))
 
