@@ -8,6 +8,14 @@ what they compute, and identical steps give different numbers from run to
 run. Each case here repeats one training step 40 times from the same
 variables and requires bitwise-identical results, on both kernel sets; in
 TF2-behaviour graph mode (resource variables) the same must hold.
+
+The same holds for the sums of the towers' gradients, in both behaviours:
+TensorFlow sums them with ``AddN``, whose order of summation depends on
+which of its inputs no other op still holds when it runs. A gradient that a
+layer hands to ``beta`` while another op of the backward pass still reads
+the same buffer (the non-fused paths did: ``offset * gamma + beta``) gave
+``beta`` gradients a rounding apart from one identical step to the next
+(see :func:`test_identical_steps_give_identical_gradient_sums`).
 """
 
 import numpy as np
@@ -15,7 +23,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import make_session
-from tf1_syncbn import sync_batch_norm
+from tf1_syncbn import layers, sync_batch_norm
 from tower import TowerContext, average_gradients
 
 tf1 = tf.compat.v1
@@ -80,3 +88,87 @@ def test_identical_steps_give_identical_numbers(graph, case):
                     '%s (max %g)' % (name, np.max(np.abs(np.subtract(a, b)))))
     assert not differing, '%d of %d identical steps differ: %s' % (
         len(differing), REPEATS, sorted(differing.items())[:5])
+
+
+# The non-fused paths, whose gradients of beta are built by TensorFlow's ops.
+SLOW_LAYERS = {
+    'fused=False': lambda x: sync_batch_norm(x, is_training=True, scale=True, fused=False,
+                                             decay=0.5, scope='bn'),
+    'renorm': lambda x: sync_batch_norm(x, is_training=True, scale=True, renorm=True,
+                                        decay=0.5, renorm_decay=0.5, scope='bn',
+                                        renorm_clipping={'rmax': 3.0, 'rmin': 0.3, 'dmax': 5.0}),
+    'tf.layers fused=False': lambda x: layers.batch_normalization(x, training=True, fused=False,
+                                                                  momentum=0.5, name='bn'),
+    'per-tower fused=False': lambda x: sync_batch_norm(x, is_training=True, scale=True,
+                                                       fused=False, decay=0.5, scope='bn',
+                                                       sync_statistics=None),
+}
+
+
+def _model_step(layer):
+    """4 towers of conv, the layer, relu and a dense layer; one loss over the towers.
+
+    The gradients are those of the mean of the towers' losses (one
+    ``compute_gradients``: ``AddN`` sums the towers' gradients of every
+    variable); the step applies the layer's (gamma, beta) and runs its
+    moving-average updates. The conv and dense layers are not updated (the
+    gradient of MatMul reads ``dense`` again, which an update of it would
+    race with in TF1 behaviour); their gradients are fetched, so that their
+    backward kernels run beside the layer's.
+    """
+    x = tf1.placeholder(tf.float32, [None, 4, 4, 3])
+    losses = []
+    for i, xi in enumerate(tf.split(x, TOWERS)):
+        with tf.device('/cpu:%d' % i), TowerContext('tower%d' % i, index=i, total=TOWERS):
+            with tf1.variable_scope('model', reuse=i > 0):
+                kernel = tf1.get_variable('conv', [3, 3, 3, 8],
+                                          initializer=tf1.glorot_uniform_initializer(seed=1))
+                dense = tf1.get_variable('dense', [8, 5],
+                                         initializer=tf1.glorot_uniform_initializer(seed=2))
+            y = layer(tf.nn.conv2d(xi, kernel, 1, 'SAME'))
+            logits = tf.matmul(tf.reduce_mean(tf.nn.relu(y), [1, 2]), dense)
+            losses.append(tf.reduce_sum(tf.square(logits - 1.0)))
+    opt = tf1.train.GradientDescentOptimizer(0.1)
+    grads_and_vars = opt.compute_gradients(tf.add_n(losses) / TOWERS)
+    with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+        train_op = opt.apply_gradients([(g, v) for g, v in grads_and_vars
+                                        if not v.op.name.startswith('model/')])
+    return x, grads_and_vars, train_op
+
+
+@pytest.mark.usefixtures('kernel_impl')
+@pytest.mark.parametrize('case', sorted(SLOW_LAYERS))
+def test_identical_steps_give_identical_gradient_sums(graph, case):
+    """The towers' summed gradients, and the updated variables, are the same in identical steps.
+
+    Before the slow path handed out gradients of beta of their own, the
+    gradient of beta (and beta after the step) took two values 1 ulp apart
+    in 3 to 34 of the 40 steps of every case, in both behaviours.
+    """
+    x, grads_and_vars, train_op = _model_step(SLOW_LAYERS[case])
+    rng = np.random.RandomState(0)
+    data = rng.randn(8, 4, 4, 3).astype(np.float32)
+    grads = [g for g, _ in grads_and_vars]
+    with make_session(graph, TOWERS) as sess:
+        sess.run(tf1.global_variables_initializer())
+        variables = tf1.global_variables()
+        start = sess.run(variables)
+        runs = []
+        for _ in range(REPEATS):
+            for variable, value in zip(variables, start):
+                variable.load(value, sess)
+            # The gradients and the step only: fetching more in the same run
+            # (the variables) holds buffers that AddN could otherwise take,
+            # and hid the difference.
+            fetched = sess.run(grads + [train_op], {x: data})[:-1]
+            runs.append(fetched + sess.run(variables))
+    names = (['gradient of %s' % v.op.name for _, v in grads_and_vars] +
+             [v.op.name for v in variables])
+    differing = {}
+    for k, run in enumerate(runs):
+        for name, a, b in zip(names, run, runs[0]):
+            if not np.array_equal(a, b):
+                differing.setdefault(k, []).append(
+                    '%s (max %g)' % (name, np.max(np.abs(np.subtract(a, b)))))
+    assert not differing, '%d of %d identical steps differ: %s' % (
+        len(differing), REPEATS, sorted(differing.items())[:3])

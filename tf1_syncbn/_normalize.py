@@ -12,6 +12,12 @@ which every training path receives.
 * slow (batch weights, renorm, adjustment, ``fused=False``): differentiable
   global moments and separate ops;
 * ghost (``virtual_batch_size``): every virtual batch by its own statistics.
+
+Gradients handed out. The gradient each tower hands to ``gamma`` and
+``beta`` is a buffer that no other op of the step reads (see
+:func:`_own_gradient_buffer`): TensorFlow sums the towers' gradients of a
+variable with ``AddN``, whose order of summation, and so its last bit,
+depends on which of its inputs no other op still holds when it runs.
 """
 
 import collections
@@ -20,6 +26,8 @@ import tensorflow as tf
 
 from tf1_syncbn import _engine, _math, kernel_sets
 from tf1_syncbn._variables import read
+
+tf1 = tf.compat.v1
 
 __all__ = ['BatchStats', 'train', 'infer', 'needs_slow_path']
 
@@ -57,6 +65,43 @@ def _restore(y4, x):
 def _vector(value, default):
     """A float32 [C] tensor for an optional variable (beta/gamma)."""
     return default if value is None else read(value)
+
+
+_OWN_BUFFER_GRADIENT = 'Tf1SyncbnOwnBufferGradient'
+
+
+@tf.RegisterGradient(_OWN_BUFFER_GRADIENT)
+def _own_buffer_gradient(op, grad):
+    del op
+    if isinstance(grad, tf.IndexedSlices):
+        grad = tf.convert_to_tensor(grad)
+    # Snapshot copies a buffer that another op still holds, and hands on one
+    # that nothing else holds as it is (no copy): its output is always its own.
+    # Its derivative is Identity's (a gradient of this gradient goes through).
+    with tf1.get_default_graph().gradient_override_map({'Snapshot': 'Identity'}):
+        return tf.raw_ops.Snapshot(input=grad, name='own_buffer')
+
+
+def _own_gradient_buffer(vector):
+    """``vector``, whose gradient is a buffer that no other op reads.
+
+    On the slow path, ``beta``'s gradient is the gradient of ``offset * gamma
+    + beta``, one buffer that the gradient of ``gamma`` reads too. TensorFlow
+    sums the towers' gradients of a variable (``tf.gradients`` over a loss
+    of every tower, ``average_gradients``, ``Optimizer.compute_gradients``)
+    with ``AddN``, which accumulates into the first input that no other op
+    still holds and moves it to the front: with 3 towers or more, the order
+    of summation then depends on which ops ran first, and identical steps
+    gave gradients a rounding apart (1 ulp of ``beta``'s gradient, in both
+    TF behaviours, whenever anything else ran in the same step, such as an
+    optimizer's updates). A copy where the buffer is shared (none where it
+    is not) makes every tower's gradient a buffer of its own, so ``AddN``
+    always sums in the order of its inputs. (``gamma``'s gradient, the sum
+    of its two uses, is a buffer of its own already; it goes through the
+    same, so that a change of the formula cannot bring the race back.)
+    """
+    with tf1.get_default_graph().gradient_override_map({'Identity': _OWN_BUFFER_GRADIENT}):
+        return tf.identity(vector, name='own_gradient')
 
 
 def _gamma_beta(layout, params):
@@ -107,6 +152,7 @@ def _slow(x, x4, fmt, layout, options, params, gamma, beta, plan, weights):
     exact for data near the mean; the moments themselves are computed around
     a shift (:func:`tf1_syncbn._engine.global_moments`).
     """
+    gamma, beta = _own_gradient_buffer(gamma), _own_gradient_buffer(beta)
     renorm_reads = ()
     if options.renorm:
         # Every tower reads the renorm statistics before its all-reduce, which
