@@ -199,12 +199,28 @@ def _build(x, **kwargs):
     ([6, 3], {'axis': 'a'}, TypeError, "argument 'axis'"),
     ([6, 3], {'renorm': True, 'renorm_clipping': {'x': 1}}, ValueError,
      r"unknown renorm_clipping key\(s\) \['x'\]"),
-    ([6, 3], {'training': 1}, TypeError, r'training must be a Python bool or a scalar bool'),
+    ([6, 3], {'training': 0.5}, TypeError, r'training must be a Python bool or a scalar bool'),
     ([6, 3], {'gamma_initializer': 'glorot_uniform'}, TypeError, 'gamma_initializer must be'),
 ])
 def test_errors_name_the_layer_and_the_argument(shape, kwargs, error, match):
     with pytest.raises(error, match=match):
         _build(shape, **kwargs)
+
+
+def test_a_layer_object_keeps_the_rank_of_its_first_input_as_tf_layers():
+    with tf.Graph().as_default():
+        layer = layers.BatchNormalization(name='bn')
+        layer(tf1.placeholder(tf.float32, [6, 4, 3]), training=True)
+        layer(tf1.placeholder(tf.float32, [2, 5, 3]), training=True)      # same rank: fine
+        with pytest.raises(ValueError, match=r'built on inputs of rank 3 .* rank 4'):
+            layer(tf1.placeholder(tf.float32, [6, 4, 4, 3]), training=True)
+
+
+def test_integer_and_numpy_training_values_are_bools_as_in_tf_layers():
+    for training, trains in ((1, True), (0, False), (np.bool_(True), True)):
+        with tf.Graph().as_default():
+            layers.batch_normalization(tf1.placeholder(tf.float32, [6, 3]), training=training)
+            assert bool(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)) == trains, training
 
 
 def test_numpy_integer_axes_are_taken_and_a_bool_axis_is_refused():

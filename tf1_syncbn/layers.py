@@ -16,6 +16,9 @@ code restore unchanged. :func:`tf1_syncbn.patch_tf_layers` makes
 ``tf.compat.v1.layers`` hand these out.
 """
 
+import numbers
+
+import numpy as np
 import tensorflow as tf
 
 from tf1_syncbn._axes import (adjustment_in_view, from_view, needs_view, parameter_shape,
@@ -30,6 +33,15 @@ from tf1_syncbn._variables import STATISTICS_AGGREGATION, Params, RenormVariable
 __all__ = ['BatchNormalization', 'batch_normalization']
 
 tf1 = tf.compat.v1
+
+
+def _python_training(training):
+    """tf.layers' ``training`` rule for Python values: None is False, integers are bools."""
+    if training is None:
+        return False
+    if isinstance(training, (numbers.Integral, np.bool_)):
+        return bool(training)
+    return training
 
 
 class BatchNormalization(object):
@@ -225,7 +237,8 @@ class BatchNormalization(object):
           training: a Python bool or a scalar bool tensor: True normalizes with
             the (synchronized) batch statistics and updates the moving ones,
             False with the moving statistics; None is False (tf.layers' default;
-            Keras' learning phase is not read).
+            Keras' learning phase is not read). An integer or a numpy bool is
+            taken as a bool, as tf.layers takes it (``training=1``).
           **kwargs: ``scope`` (the variable scope of a layer not called yet),
             ``mask`` (must be None).
 
@@ -254,7 +267,7 @@ class BatchNormalization(object):
             name_scope = vs.original_name_scope if outer == self._outer_name_scope else \
                 vs.name.split('/')[-1]
             with tf1.name_scope(name_scope):
-                return self._call(inputs, False if training is None else training, vs.name)
+                return self._call(inputs, _python_training(training), vs.name)
 
     def _set_scope(self, scope=None):
         """The variable scope of the first call, chosen as tf.layers' ``Layer._set_scope``."""
@@ -280,6 +293,12 @@ class BatchNormalization(object):
             except (TypeError, ValueError):
                 pass                        # check_inputs names the problem
         rank = getattr(getattr(x, 'shape', None), 'ndims', None)
+        if self.built and rank is not None and rank != self._built_rank:
+            # tf.layers' input spec: a layer object keeps the rank of its first input.
+            raise ValueError('%s: the layer was built on inputs of rank %d (ndim=%d) and is '
+                             'now applied to inputs of rank %d (%s); build another layer '
+                             'object for them.' % (layer, self._built_rank, self._built_rank,
+                                                   rank, x.shape))
         vbs = self.virtual_batch_size
         axes = channel_axes(layer, self._axis_argument, rank, vbs)
         # Axes other than one channel axis 1 or last: the core normalizes a view
@@ -313,6 +332,7 @@ class BatchNormalization(object):
             # As tf.layers: the axes non-negative, shifted by the virtual-batch axis.
             self.fused = fused
             self.axis = [a + 1 for a in axes] if vbs is not None else list(axes)
+            self._built_rank = rank
             self.built = True
         before = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
         outputs = batch_norm(x, layout, options, self._params,
