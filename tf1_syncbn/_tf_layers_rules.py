@@ -16,7 +16,8 @@ from tf1_syncbn._options import replaced_layer_is_fused
 from tower._state import get_graph_state
 
 __all__ = ['BASE_NAME', 'DTYPES', 'tf_layers_runs_fused_kernel', 'ghost_batches_in_training',
-           'unique_layer_name', 'check_axis_type', 'check_callable', 'channel_axes']
+           'unique_layer_name', 'check_axis_type', 'check_callable', 'channel_axes',
+           'training_value', 'check_rank_of_reuse']
 
 tf1 = tf.compat.v1
 
@@ -107,6 +108,23 @@ def check_axis_type(layer, axis):
         return int(axis)
     raise TypeError("%s: expected an int or a list/tuple of ints for the argument 'axis', "
                     "but received: %r" % (layer, axis))
+
+
+def training_value(training):
+    """tf.layers' ``training`` for Python values: None is False, integers are bools."""
+    if training is None:
+        return False
+    if isinstance(training, (numbers.Integral, np.bool_)):
+        return bool(training)
+    return training
+
+
+def check_rank_of_reuse(layer, built_rank, rank):
+    """tf.layers' input spec: a layer object keeps the rank of its first input."""
+    if rank != built_rank:
+        raise ValueError('%s: the layer was built on inputs of rank %d (ndim=%d) and is now '
+                         'applied to inputs of rank %d; build another layer object for them.'
+                         % (layer, built_rank, built_rank, rank))
 
 
 def check_callable(layer, name, value, initializer=False):

@@ -16,9 +16,6 @@ code restore unchanged. :func:`tf1_syncbn.patch_tf_layers` makes
 ``tf.compat.v1.layers`` hand these out.
 """
 
-import numbers
-
-import numpy as np
 import tensorflow as tf
 
 from tf1_syncbn._axes import (adjustment_in_view, from_view, needs_view, parameter_shape,
@@ -26,22 +23,14 @@ from tf1_syncbn._axes import (adjustment_in_view, from_view, needs_view, paramet
 from tf1_syncbn._core import batch_norm
 from tf1_syncbn._options import check_graph_mode, check_inputs, check_options
 from tf1_syncbn._tf_layers_rules import (BASE_NAME, DTYPES, channel_axes, check_axis_type,
-                                         check_callable, ghost_batches_in_training,
-                                         tf_layers_runs_fused_kernel, unique_layer_name)
+                                         check_callable, check_rank_of_reuse,
+                                         ghost_batches_in_training, tf_layers_runs_fused_kernel,
+                                         training_value, unique_layer_name)
 from tf1_syncbn._variables import STATISTICS_AGGREGATION, Params, RenormVariables
 
 __all__ = ['BatchNormalization', 'batch_normalization']
 
 tf1 = tf.compat.v1
-
-
-def _python_training(training):
-    """tf.layers' ``training`` rule for Python values: None is False, integers are bools."""
-    if training is None:
-        return False
-    if isinstance(training, (numbers.Integral, np.bool_)):
-        return bool(training)
-    return training
 
 
 class BatchNormalization(object):
@@ -267,7 +256,7 @@ class BatchNormalization(object):
             name_scope = vs.original_name_scope if outer == self._outer_name_scope else \
                 vs.name.split('/')[-1]
             with tf1.name_scope(name_scope):
-                return self._call(inputs, _python_training(training), vs.name)
+                return self._call(inputs, training_value(training), vs.name)
 
     def _set_scope(self, scope=None):
         """The variable scope of the first call, chosen as tf.layers' ``Layer._set_scope``."""
@@ -293,12 +282,8 @@ class BatchNormalization(object):
             except (TypeError, ValueError):
                 pass                        # check_inputs names the problem
         rank = getattr(getattr(x, 'shape', None), 'ndims', None)
-        if self.built and rank is not None and rank != self._built_rank:
-            # tf.layers' input spec: a layer object keeps the rank of its first input.
-            raise ValueError('%s: the layer was built on inputs of rank %d (ndim=%d) and is '
-                             'now applied to inputs of rank %d (%s); build another layer '
-                             'object for them.' % (layer, self._built_rank, self._built_rank,
-                                                   rank, x.shape))
+        if self.built and rank is not None:
+            check_rank_of_reuse(layer, self._built_rank, rank)
         vbs = self.virtual_batch_size
         axes = channel_axes(layer, self._axis_argument, rank, vbs)
         # Axes other than one channel axis 1 or last: the core normalizes a view
