@@ -399,6 +399,36 @@ def test_without_tf_keras_the_gpu_environment_is_used_and_set_up_again_next_time
 
 
 @pytest.mark.once
+def test_a_machine_without_network_gets_the_way_round_it(tmp_path):
+    """What pip printed on a lent H100 machine with no network (2026-11-27)."""
+    offline = ('Requirement already satisfied: pip in ./.venv-gpu/lib/python3.12/site-packages '
+               '(24.0)\nERROR: Could not find a version that satisfies the requirement '
+               'setuptools (from versions: none)\nERROR: No matching distribution found for '
+               'setuptools\n')
+    venv = str(tmp_path / 'venv-gpu')
+
+    def run(cmd, env=None, timeout=None, echo=True):
+        if cmd[1:3] == ['-m', 'venv']:
+            os.makedirs(os.path.join(venv, 'bin'))
+            open(os.path.join(venv, 'bin', 'python'), 'w').close()
+            return gpu_run.Result(0, '', 1.0)
+        return gpu_run.Result(1, offline, 1.0)
+
+    with pytest.raises(gpu_env.SetupError) as raised:
+        gpu_env.ensure_gpu_venv(venv, '/usr/bin/python3', run)
+    message = str(raised.value)
+    assert 'pip reached no package index' in message and "--python PY" in message
+    assert 'No matching distribution found for setuptools' in message
+    text = gpu_report.render_report({
+        'date': 'd', 'command': 'make gpu-check', 'revision': 'r',
+        'machine': {'gpus': [], 'gpu_list': [], 'driver_cuda': '', 'cpu': 'c', 'os': 'o',
+                    'python': '3.12'},
+        'environment': {}, 'problem': message, 'steps': []})
+    assert '| environment | not set up (see below) |' in text
+    assert gpu_env.setup_hint([venv + '/bin/python', '-m', 'pip'], 'ERROR: a build failed') == ''
+
+
+@pytest.mark.once
 def test_the_gpu_split_of_bench_devices():
     assert [_devices.split_factor(t, p) for t, p in ((4, 1), (3, 2), (4, 4), (1, 8))] == \
         [4, 2, 1, 1]

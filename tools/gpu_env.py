@@ -154,6 +154,25 @@ def _setup_stamp():
         return hashlib.sha256(f.read() + SETUP_VERSION.encode()).hexdigest()
 
 
+#: Output of pip that means no package index or wheelhouse could be reached.
+NO_INDEX = re.compile(r'from versions: none|No matching distribution found|'
+                      r'Failed to establish a new connection|Temporary failure in name '
+                      r'resolution|Network is unreachable|ConnectTimeout|ReadTimeout')
+
+
+def setup_hint(cmd, output):
+    """A hint (with a leading space) for a failed set-up command, or ''."""
+    if cmd[1:3] == ['-m', 'venv']:
+        return ' (python3 -m venv needs the python3-venv package on Debian/Ubuntu)'
+    if NO_INDEX.search(output):
+        return (". pip reached no package index: this machine seems to have no network "
+                "(or no mirror of PyPI). Install TensorFlow's CUDA build (tensorflow[and-cuda], "
+                "with pytest and pytest-timeout) into a Python yourself, for instance from "
+                "a folder of wheels (PIP_FIND_LINKS=DIR PIP_NO_INDEX=1), and run make "
+                "gpu-check GPU_CHECK_ARGS='--python PY'")
+    return ''
+
+
 def ensure_gpu_venv(venv, base_python, run):
     """Creates and sets up ``venv`` (once per ``pyproject.toml``); returns its Python.
 
@@ -176,8 +195,7 @@ def ensure_gpu_venv(venv, base_python, run):
         print('gpu-check: %s' % shell_words(cmd))
         result = run(cmd, env=None, timeout=3600, echo=True)
         if result.rc:
-            hint = (' (python3 -m venv needs the python3-venv package on Debian/Ubuntu)'
-                    if cmd[1:3] == ['-m', 'venv'] else '')
+            hint = setup_hint(cmd, result.output)
             raise SetupError('setting up %s failed at `%s` (exit status %d)%s:\n\n%s'
                              % (os.path.relpath(venv, ROOT), shell_words(cmd), result.rc, hint,
                                 gpu_report.tail(result.output, 30)))

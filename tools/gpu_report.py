@@ -142,7 +142,8 @@ def render_report(report):
         '| CPU | %s |' % machine['cpu'],
         '| OS | %s |' % machine['os'],
         '| Python | %s |' % machine['python'],
-        '| environment | %s (`%s`) |' % (env.get('description', '?'), env.get('python', '?')),
+        ('| environment | %s (`%s`) |' % (env['description'], env.get('python', '?'))
+         if env.get('description') else '| environment | not set up (see below) |'),
         '| TensorFlow | %s%s |' % (env.get('tensorflow') or 'unknown',
                                    ', ' + env['build'] if env.get('build') else ''),
         '| GPUs TensorFlow sees | %s |' % (', '.join(env.get('tf_gpus') or []) or 'none'),
