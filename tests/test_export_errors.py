@@ -8,7 +8,7 @@ that were not found in graph_def``, ``AttributeError: 'list' object has no attri
 defaulting to True served dropout in training mode), a constant of another shape than
 its placeholder exported (and in TF2 behaviour aborted the serving process with a CHECK
 failure), and the full-batch placeholder given as the input served the first tower's
-share of each request.
+share of each request (split across the towers, or sliced).
 
 One trained 2-tower graph (slim, a tensor ``is_training`` with default True, dropout)
 serves every case.
@@ -138,7 +138,7 @@ def test_the_full_batch_split_across_the_towers_is_no_input(trained):
     """Given the full batch, the served graph split each request and served its first half."""
     sess, tensors = trained
     with pytest.raises(ValueError, match=r"inputs\['images'\] = x:0 reaches the outputs only "
-                                         r'through a split of its batch: split \(share 0 of '
+                                         r'through a share of its batch: split \(share 0 of '
                                          r"2\).*tf.split\(images, towers\)\[0\]"):
         _export(sess, tensors, inputs={'images': tensors['x']})
     # Tower 1's outputs from tower 1's share: fine.
@@ -148,6 +148,71 @@ def test_the_full_batch_split_across_the_towers_is_no_input(trained):
                                                tensors['is_training']: False})
     np.testing.assert_allclose(_serve(graph_def, tensors['data'][2:]), expected,
                                rtol=1e-5, atol=1e-5)
+
+
+def _sliced_towers(cut):
+    """``(session, x, towers' inputs, towers' logits)``: 2 towers fed ``cut(x, tower)``."""
+    import tensorflow as tf
+    import tf_slim as slim
+
+    import tf1_syncbn
+    from tower import call_for_each_tower, get_current_tower_context, virtual_cpu_config
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 5], name='x')
+        shares = []
+
+        def tower():
+            shares.append(cut(x, get_current_tower_context().index))
+            return slim.fully_connected(shares[-1], 3, activation_fn=None,
+                                        normalizer_fn=tf1_syncbn.sync_batch_norm,
+                                        normalizer_params={'is_training': False}, scope='fc')
+
+        logits = call_for_each_tower(tower, ['/cpu:0', '/cpu:1'])
+        sess = tf.compat.v1.Session(graph=graph, config=virtual_cpu_config(2))
+        sess.run(tf.compat.v1.global_variables_initializer())
+    return sess, x, shares, logits
+
+
+@pytest.mark.parametrize('cut, share', [
+    (lambda x, i: x[2 * i:2 * i + 2], r'tower0/strided_slice \(rows 0:2\)'),
+    (lambda x, i: x[i::2], r'tower0/strided_slice \(rows 0::2\)'),
+    (lambda x, i: x[i][None], r'tower0/strided_slice \(row 0\)'),
+    (lambda x, i: __import__('tensorflow').slice(x, [2 * i, 0], [2, -1]),
+     r'tower0/Slice \(rows 0:2\)'),
+], ids=['rows', 'every-other-row', 'one-row', 'tf.slice'])
+def test_the_full_batch_sliced_across_the_towers_is_no_input(cut, share):
+    """Sliced rather than split: the served graph kept tower 0's rows of each request."""
+    from tf1_syncbn import export
+    sess, x, shares, logits = _sliced_towers(cut)
+    with sess:
+        with pytest.raises(ValueError, match=r"inputs\['images'\] = x:0 reaches the outputs "
+                                             r'only through a share of its batch: ' + share):
+            export.inference_graph_def(sess, {'images': x}, {'logits': logits[0]})
+        # The share itself is the input: served whole.
+        graph_def = export.inference_graph_def(sess, {'images': shares[0]},
+                                               {'logits': logits[0]})
+        data = np.random.RandomState(1).rand(4, 5).astype(np.float32)
+        batch = sess.run(shares[0], {x: data})
+        expected = sess.run(logits[0], {x: data})
+    import tensorflow as tf
+    with tf.Graph().as_default() as served:
+        tf.import_graph_def(graph_def, name='')
+        with tf.compat.v1.Session(graph=served) as serving:
+            got = serving.run('logits:0', {'images:0': batch})
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_slices_that_keep_the_whole_batch_are_inputs():
+    """x[:, :4] and tf.slice(x, [0, 1], [-1, 4]) keep every row: no complaint."""
+    import tensorflow as tf
+
+    from tf1_syncbn import export
+    for cut in (lambda x, i: x[:, :4] * (i + 1), lambda x, i: tf.slice(x, [0, 1], [-1, 4])):
+        sess, x, _, logits = _sliced_towers(cut)
+        with sess:
+            graph_def = export.inference_graph_def(sess, {'images': x}, {'logits': logits[0]})
+        assert 'images' in [node.name for node in graph_def.node]
 
 
 def test_an_export_dir_the_builder_cannot_write_is_named_before_exporting(trained, tmp_path):

@@ -223,30 +223,77 @@ def check_needed(graph_def, served, scope):
 def _check_not_a_share(nodes, key, placeholder, name):
     """Raises when ``inputs[key]`` reaches the outputs only through a share of its batch.
 
-    That is: every node that consumes it is a ``tf.split`` along axis 0 of
-    which some share is not needed (a full-batch placeholder split across the
-    towers, given where tower 0's share was meant: the served graph would
-    split each request and serve its first share only).
+    That is: every node that consumes it takes a constant part of its batch
+    (axis 0) of which some rows are not needed: a ``tf.split`` along axis 0
+    with some share unused, or a slice (``x[a:b]``, ``tf.slice``) of fixed rows.
+    A full-batch placeholder split or sliced across the towers, given where
+    tower 0's share was meant: the served graph would cut each request the
+    same way and serve that share only (the exported placeholder's batch is
+    free, so a slice of fixed rows also drops the rows of a larger request).
     """
     users = [node for node in nodes.values()
              if any(_tensor_name(i) == placeholder + ':0' for i in node.input)]
-    if not users or any(node.op not in _SPLITS for node in users):
+    if not users:
         return
     needed = {_tensor_name(i) for node in nodes.values() for i in node.input}
     shares = []
     for node in users:
-        axis = nodes.get(node.input[0 if node.op == 'Split' else 2].split(':')[0])
-        value = tf.make_ndarray(axis.attr['value'].tensor) \
-            if axis is not None and axis.op == 'Const' else None
-        if value is None or np.ndim(value) != 0 or int(value) != 0:
+        share = _share_of_batch(nodes, node, needed)
+        if share is None:
             return
+        shares.append(share)
+    raise ValueError(
+        '%s: inputs[%r] = %s reaches the outputs only through a share of its batch: %s. The '
+        'served graph would cut each request the same way and serve only that share. Give '
+        "the share the outputs' layers consume instead (tower 0's: tf.split(images, towers)[0])."
+        % (_WHERE, key, name, '; '.join(shares)))
+
+
+def _constant(nodes, tensor_name):
+    """The value of a ``Const`` input (``'name'`` or ``'name:0'``), or None."""
+    node = nodes.get(tensor_name.split(':')[0])
+    if node is None or node.op != 'Const':
+        return None
+    return tf.make_ndarray(node.attr['value'].tensor)
+
+
+def _share_of_batch(nodes, node, needed):
+    """``'name (what)'`` when ``node`` passes on only some rows of its input's batch.
+
+    None when it passes on the whole batch, or when constants cannot tell
+    (then nothing is said).
+    """
+    if node.op in _SPLITS:
+        axis = _constant(nodes, node.input[0 if node.op == 'Split' else 2])
+        if axis is None or np.ndim(axis) != 0 or int(axis) != 0:
+            return None
         count = node.attr['num_split'].i
         used = [i for i in range(count) if '%s:%d' % (node.name, i) in needed]
         if len(used) == count:
-            return
-        shares.append('%s (share %s of %d)' % (node.name, ', '.join(map(str, used)), count))
-    raise ValueError(
-        '%s: inputs[%r] = %s reaches the outputs only through a split of its batch: %s. The '
-        'served graph would split each request the same way and serve only that share. Give '
-        "the share the outputs' layers consume instead (tower 0's: tf.split(images, towers)[0])."
-        % (_WHERE, key, name, '; '.join(shares)))
+            return None
+        return '%s (share %s of %d)' % (node.name, ', '.join(map(str, used)), count)
+    if node.op == 'Slice':
+        begin, size = _constant(nodes, node.input[1]), _constant(nodes, node.input[2])
+        if begin is None or size is None or np.ndim(begin) != 1 or not len(begin):
+            return None
+        first, count = int(begin[0]), int(size[0])
+        if first == 0 and count == -1:
+            return None
+        return '%s (rows %d:%s)' % (node.name, first, '' if count == -1 else first + count)
+    if node.op == 'StridedSlice':
+        values = [_constant(nodes, node.input[i]) for i in (1, 2, 3)]
+        if any(v is None or np.ndim(v) != 1 or not len(v) for v in values):
+            return None
+        (begin, end, stride), masks = [int(v[0]) for v in values], node.attr
+        if masks['ellipsis_mask'].i & 1 or masks['new_axis_mask'].i & 1 or stride < 1:
+            return None     # axis 0 of the slice is not the batch's, or runs backwards
+        if masks['shrink_axis_mask'].i & 1:
+            return '%s (row %d)' % (node.name, begin)
+        first = 0 if masks['begin_mask'].i & 1 else begin
+        stop = None if masks['end_mask'].i & 1 else end
+        if first == 0 and stop is None and stride == 1:
+            return None
+        return '%s (rows %d:%s%s)' % (node.name, first, '' if stop is None else stop,
+                                      ':%d' % stride if stride != 1 else '')
+    return None
+

@@ -98,8 +98,9 @@ def inference_graph_def(session, inputs, outputs, constants=None):
       ValueError: naming the argument: a name that is no valid op name or a
         tensor given twice, a tensor of another graph, a constant of another
         shape, an input no output depends on, an input the outputs reach
-        only through a ``tf.split`` of its batch (the full batch where a
-        tower's share was meant), a placeholder (``placeholder_with_default``
+        only through a share of its batch (a ``tf.split`` along the batch,
+        or a slice of fixed rows: the full batch where a tower's share was
+        meant), a placeholder (``placeholder_with_default``
         included) the outputs need that is neither an input nor a constant,
         or library ops, collectives or Python ops the outputs still need (a
         layer inside a ``tf.cond`` function body, a user's ``py_func``), with
