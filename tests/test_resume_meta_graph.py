@@ -187,6 +187,32 @@ def test_import_meta_graph_restore_and_train_on_equals_the_uninterrupted_run(tmp
         assert 'build the model in Python again and restore the checkpoint' in error, error
 
 
+def test_a_scoped_meta_graph_leaves_out_the_tower_check_as_the_docs_say(tmp_path):
+    """``export_meta_graph(export_scope=...)`` keeps only that scope; the check is at the root.
+
+    docs/save-resume-export.md and the FAQ quote the import's error: if the
+    check moves, or TensorFlow's scoping changes, they must change too.
+    """
+    import tensorflow as tf
+
+    import tf1_syncbn
+    from tower import call_for_each_tower, get_current_tower_context
+    tf1 = tf.compat.v1
+    path = str(tmp_path / 'scoped.meta')
+    with tf.Graph().as_default():
+        with tf1.variable_scope('model'):
+            x = tf1.placeholder(tf.float32, [4, 3], name='x')
+            parts = tf.split(x, 2)
+            call_for_each_tower(lambda: tf1_syncbn.sync_batch_norm(
+                parts[get_current_tower_context().index], is_training=True,
+                sync_statistics='collective'), ['/cpu:0', '/cpu:1'])
+        tf1.train.export_meta_graph(path, export_scope='model')
+    with tf.Graph().as_default():
+        with pytest.raises(ValueError, match=r"Unknown input node "
+                                             r"'\^\$unbound_inputs_tf1_syncbn_check_towers'"):
+            tf1.train.import_meta_graph(path)
+
+
 if __name__ == '__main__':
     sys.path.insert(0, HERE)
     mode, directory = sys.argv[1:3]
