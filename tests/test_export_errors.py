@@ -23,27 +23,13 @@ import pytest
 def trained():
     """``(session, tensors)`` of a trained 2-tower graph; the session stays open."""
     import tensorflow as tf
-    import tf_slim as slim
 
-    import tf1_syncbn
-    from tower import call_for_each_tower, get_current_tower_context, virtual_cpu_config
+    from test_export_inference import slim_dropout_towers
+    from tower import virtual_cpu_config
     tf1 = tf.compat.v1
     graph = tf.Graph()
     with graph.as_default():
-        x = tf1.placeholder(tf.float32, [4, 6, 6, 3], name='x')
-        is_training = tf1.placeholder_with_default(True, [], name='is_training')
-        parts = tf.split(x, 2)
-
-        def tower():
-            net = slim.conv2d(parts[get_current_tower_context().index], 8, [3, 3],
-                              normalizer_fn=tf1_syncbn.sync_batch_norm,
-                              normalizer_params={'is_training': is_training,
-                                                 'sync_statistics': 'auto'}, scope='conv')
-            net = slim.dropout(net, 0.5, is_training=is_training, scope='drop')
-            return slim.fully_connected(tf.reduce_mean(net, [1, 2]), 5, activation_fn=None,
-                                        scope='fc')
-
-        logits = call_for_each_tower(tower, ['/cpu:0', '/cpu:1'])
+        x, is_training, parts, logits = slim_dropout_towers(['/cpu:0', '/cpu:1'])
         loss = tf.add_n([tf.reduce_mean(tf.square(t)) for t in logits])
         with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
             train = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)

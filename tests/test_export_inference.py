@@ -73,32 +73,50 @@ def _data(seed, batch):
     return (np.random.RandomState(seed).randn(batch, 5, 5, 3) * 2 + 3).astype(np.float32)
 
 
+def _training_graph(case, towers, kind):
+    """In the default graph: ``case``'s model on ``towers`` towers, an SGD step, an eval copy.
+
+    ``kind``: ``'tensor'`` (a bool placeholder ``is_training``) or
+    ``'python'`` (True). Returns ``(images, parts, is_training, outs, train,
+    eval_x, eval_y)``: the full batch ``'images'`` and its split ``'parts'``,
+    each tower's output, the train op (after the update ops), and the model
+    applied in inference mode to ``eval_x`` with the same variables.
+    """
+    import tensorflow as tf
+
+    from tower import call_for_each_tower, get_current_tower_context
+    tf1 = tf.compat.v1
+    images = tf1.placeholder(tf.float32, [2 * towers, 5, 5, 3], name='images')
+    parts = tf.split(images, towers, name='parts')
+    is_training = tf1.placeholder(tf.bool, [], name='is_training') \
+        if kind == 'tensor' else True
+
+    def tower():
+        return _model(case, parts[get_current_tower_context().index], is_training)
+
+    outs = call_for_each_tower(tower, ['/cpu:%d' % i for i in range(towers)])
+    loss = tf.add_n([tf.reduce_sum(tf.square(o - 1.0)) for o in outs])
+    with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+        train = tf1.train.GradientDescentOptimizer(0.01).minimize(loss)
+    with tf1.variable_scope(tf1.get_variable_scope(), reuse=True), tf1.name_scope('eval'):
+        eval_x = tf1.placeholder(tf.float32, [None, 5, 5, 3])
+        eval_y = _model(case, eval_x, False)
+    return images, parts, is_training, outs, train, eval_x, eval_y
+
+
 def _export_case(case, directory):
     """Trains ``case`` on its towers, exports tower 0; returns the test input and reference."""
     import tensorflow as tf
 
     import tf1_syncbn
-    from tower import call_for_each_tower, get_current_tower_context, virtual_cpu_config
+    from tower import virtual_cpu_config
     tf1 = tf.compat.v1
     towers, kind = CASES[case]
     graph = tf.Graph()
     with graph.as_default():
         tf1.set_random_seed(1)
-        images = tf1.placeholder(tf.float32, [2 * towers, 5, 5, 3], name='images')
-        parts = tf.split(images, towers)
-        is_training = tf1.placeholder(tf.bool, [], name='is_training') \
-            if kind == 'tensor' else True
-
-        def tower():
-            return _model(case, parts[get_current_tower_context().index], is_training)
-
-        outs = call_for_each_tower(tower, ['/cpu:%d' % i for i in range(towers)])
-        loss = tf.add_n([tf.reduce_sum(tf.square(o - 1.0)) for o in outs])
-        with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
-            train = tf1.train.GradientDescentOptimizer(0.01).minimize(loss)
-        with tf1.variable_scope(tf1.get_variable_scope(), reuse=True), tf1.name_scope('eval'):
-            eval_x = tf1.placeholder(tf.float32, [None, 5, 5, 3])
-            eval_y = _model(case, eval_x, False)
+        images, parts, is_training, outs, train, eval_x, eval_y = _training_graph(
+            case, towers, kind)
         feed = {is_training: True} if kind == 'tensor' else {}
         constants = {is_training: False} if kind == 'tensor' else None
         with tf1.Session(config=virtual_cpu_config(towers)) as sess:
@@ -340,20 +358,19 @@ def _served_by_one_cpu(graph_def, export_dir, feed):
     return frozen, saved, meta_graph.graph_def
 
 
-def test_exported_graphs_hold_no_device_even_in_function_bodies(graph, tmp_path):
-    """Tower 0 on '/cpu:1' (a training machine's GPU), served where only CPU:0 exists.
+def slim_dropout_towers(devices):
+    """In the default graph: 2 towers of slim conv, ``sync_batch_norm``, dropout and fc.
 
-    In TF2 behaviour the tensor is_training makes the layer's and dropout's
-    tf.cond ``If`` ops whose branch functions kept '/device:CPU:1' (a plain
-    session refused them: 'was explicitly assigned to /device:CPU:1 but
-    available devices are [ ... CPU:0 ]').
+    Returns ``(x, is_training, parts, logits)``: the full batch ``'x'`` of
+    shape [4, 6, 6, 3], ``'is_training'`` (a ``placeholder_with_default``,
+    True) that both the layer and dropout read, ``x``'s split over the
+    towers, and each tower's logits. ``devices``: the towers' two devices.
     """
     import tensorflow as tf
     import tf_slim as slim
 
     import tf1_syncbn
-    import tf_behavior
-    from tower import call_for_each_tower, get_current_tower_context, virtual_cpu_config
+    from tower import call_for_each_tower, get_current_tower_context
     tf1 = tf.compat.v1
     x = tf1.placeholder(tf.float32, [4, 6, 6, 3], name='x')
     is_training = tf1.placeholder_with_default(True, [], name='is_training')
@@ -368,7 +385,24 @@ def test_exported_graphs_hold_no_device_even_in_function_bodies(graph, tmp_path)
         return slim.fully_connected(tf.reduce_mean(net, [1, 2]), 5, activation_fn=None,
                                     scope='fc')
 
-    logits = call_for_each_tower(tower, ['/cpu:1', '/cpu:2'])
+    return x, is_training, parts, call_for_each_tower(tower, devices)
+
+
+def test_exported_graphs_hold_no_device_even_in_function_bodies(graph, tmp_path):
+    """Tower 0 on '/cpu:1' (a training machine's GPU), served where only CPU:0 exists.
+
+    In TF2 behaviour the tensor is_training makes the layer's and dropout's
+    tf.cond ``If`` ops whose branch functions kept '/device:CPU:1' (a plain
+    session refused them: 'was explicitly assigned to /device:CPU:1 but
+    available devices are [ ... CPU:0 ]').
+    """
+    import tensorflow as tf
+
+    import tf1_syncbn
+    import tf_behavior
+    from tower import virtual_cpu_config
+    tf1 = tf.compat.v1
+    x, is_training, parts, logits = slim_dropout_towers(['/cpu:1', '/cpu:2'])
     data = np.random.RandomState(3).rand(4, 6, 6, 3).astype(np.float32)
     export_dir = str(tmp_path / 'serving' / '1')
     with tf1.Session(config=virtual_cpu_config(3)) as sess:
@@ -401,26 +435,13 @@ def test_a_graph_imported_with_an_import_scope_exports(towers, kind, scope, tmp_
     import tensorflow as tf
 
     import tf1_syncbn
-    from tower import call_for_each_tower, get_current_tower_context, virtual_cpu_config
+    from tower import virtual_cpu_config
     tf1 = tf.compat.v1
     path = str(tmp_path / 'model.ckpt')
     data = _data(5, 2 * towers)
     with tf.Graph().as_default():
-        images = tf1.placeholder(tf.float32, [2 * towers, 5, 5, 3], name='images')
-        parts = tf.split(images, towers, name='parts')
-        is_training = tf1.placeholder(tf.bool, [], name='is_training') \
-            if kind == 'tensor' else True
-
-        def tower():
-            return _model('slim', parts[get_current_tower_context().index], is_training)
-
-        outs = call_for_each_tower(tower, ['/cpu:%d' % i for i in range(towers)])
-        loss = tf.add_n([tf.reduce_sum(tf.square(o - 1.0)) for o in outs])
-        with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
-            train = tf1.train.GradientDescentOptimizer(0.01).minimize(loss)
-        with tf1.variable_scope(tf1.get_variable_scope(), reuse=True), tf1.name_scope('eval'):
-            eval_x = tf1.placeholder(tf.float32, [None, 5, 5, 3])
-            eval_y = _model('slim', eval_x, False)
+        images, _, is_training, outs, train, eval_x, eval_y = _training_graph('slim', towers,
+                                                                              kind)
         feed = {is_training: True} if kind == 'tensor' else {}
         saver = tf1.train.Saver()
         with tf1.Session(config=virtual_cpu_config(towers)) as sess:

@@ -60,6 +60,34 @@ def _step(params):
     return x, [tf.concat(ys, 0), tf.concat(dxs, 0)], train_op
 
 
+def _repeat(sess, variables, step, feed):
+    """``REPEATS`` runs of ``step`` (its last fetch the train op) from the same variables.
+
+    Each run: the step's fetches but the last, then the variables after the
+    step, read in a run of their own: fetched beside the train op, a
+    variable's read races with its own update (in either behaviour, whatever
+    the layer does), and did differ.
+    """
+    start = sess.run(variables)
+    runs = []
+    for _ in range(REPEATS):
+        for variable, value in zip(variables, start):
+            variable.load(value, sess)
+        runs.append(sess.run(step, feed)[:-1] + sess.run(variables))
+    return runs
+
+
+def _differing(names, runs):
+    """``{run index: ['name (max difference)', ...]}`` of the runs that differ from the first."""
+    differing = {}
+    for k, run in enumerate(runs):
+        for name, a, b in zip(names, run, runs[0]):
+            if not np.array_equal(a, b):
+                differing.setdefault(k, []).append(
+                    '%s (max %g)' % (name, np.max(np.abs(np.subtract(a, b)))))
+    return differing
+
+
 @pytest.mark.usefixtures('kernel_impl')
 @pytest.mark.parametrize('case', sorted(CASES))
 def test_identical_steps_give_identical_numbers(graph, case):
@@ -72,23 +100,9 @@ def test_identical_steps_give_identical_numbers(graph, case):
         for _ in range(2):    # statistics away from their initial values
             sess.run(train_op, {x: warmup})
         variables = tf1.global_variables()
-        start = sess.run(variables)
-        runs = []
-        for _ in range(REPEATS):
-            for variable, value in zip(variables, start):
-                variable.load(value, sess)
-            # The variables after the step, in a run of their own: fetched
-            # beside train_op, a variable's read races with its own update
-            # (in either behaviour, whatever the layer does), and did differ.
-            runs.append(sess.run(fetches + [train_op], {x: data})[:-1] + sess.run(variables))
-    names = ['outputs', 'input gradients'] + [v.op.name for v in variables]
-    first = runs[0]
-    differing = {}
-    for k, run in enumerate(runs):
-        for name, a, b in zip(names, run, first):
-            if not np.array_equal(a, b):
-                differing.setdefault(k, []).append(
-                    '%s (max %g)' % (name, np.max(np.abs(np.subtract(a, b)))))
+        runs = _repeat(sess, variables, fetches + [train_op], {x: data})
+    differing = _differing(['outputs', 'input gradients'] + [v.op.name for v in variables],
+                           runs)
     assert not differing, '%d of %d identical steps differ: %s' % (
         len(differing), REPEATS, sorted(differing.items())[:5])
 
@@ -155,23 +169,10 @@ def test_identical_steps_give_identical_gradient_sums(graph, case):
     with make_session(graph, TOWERS) as sess:
         sess.run(tf1.global_variables_initializer())
         variables = tf1.global_variables()
-        start = sess.run(variables)
-        runs = []
-        for _ in range(REPEATS):
-            for variable, value in zip(variables, start):
-                variable.load(value, sess)
-            # The gradients and the step only: fetching more in the same run
-            # (the variables) holds buffers that AddN could otherwise take,
-            # and hid the difference.
-            fetched = sess.run(grads + [train_op], {x: data})[:-1]
-            runs.append(fetched + sess.run(variables))
-    names = (['gradient of %s' % v.op.name for _, v in grads_and_vars] +
-             [v.op.name for v in variables])
-    differing = {}
-    for k, run in enumerate(runs):
-        for name, a, b in zip(names, run, runs[0]):
-            if not np.array_equal(a, b):
-                differing.setdefault(k, []).append(
-                    '%s (max %g)' % (name, np.max(np.abs(np.subtract(a, b)))))
+        # (Fetching the variables in the step's run would also hold buffers
+        # that AddN could otherwise take, and hid the difference.)
+        runs = _repeat(sess, variables, grads + [train_op], {x: data})
+    differing = _differing(['gradient of %s' % v.op.name for _, v in grads_and_vars] +
+                           [v.op.name for v in variables], runs)
     assert not differing, '%d of %d identical steps differ: %s' % (
         len(differing), REPEATS, sorted(differing.items())[:3])
