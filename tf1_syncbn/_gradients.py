@@ -43,8 +43,8 @@ def raw_collectives():
     own (:func:`with_gradient`: the fast path's gradient, the differentiable
     all-reduce), so ``tf.gradients`` never needs to go through the op
     itself. It may still be asked to (and the op treated as a constant is
-right then, since no derivative flows through it that its wrapper does
-not already carry): a TF2 ``tf.cond`` exposes the
+    right then, since no derivative flows through it that its wrapper does
+    not already carry): a TF2 ``tf.cond`` exposes the
     intermediates of a branch to the branch's gradient, and differentiating
     that gradient again (a gradient penalty) sends zeros into them, back to
     the all-reduce, which has no gradient (TensorFlow's collectives) or one
