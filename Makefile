@@ -12,6 +12,11 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 DEMO_ARGS ?=
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS='-k kernels -x'`.
 PYTEST_ARGS ?=
+# Test processes per pass (pytest-xdist; 0: the tests run in pytest's own
+# process). Each module's tests stay together in one process (--dist
+# loadfile), so a module's reference run and shared graphs are built once.
+PYTEST_WORKERS ?= 2
+XDIST := $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
 
 .PHONY: demo test install kernels clean bench lint docs wheel-check
 
@@ -65,12 +70,12 @@ demo: $(VENV)/.installed
 # run one pass. tests/with_horovod is make test-horovod's, even where Horovod is built.
 SUITE := tests --ignore=tests/with_horovod
 test: $(VENV)/.installed-test kernels lint docs
-	TF1_SYNCBN_TEST_BEHAVIOR=v2 $(PY) -m pytest -q $(SUITE) $(PYTEST_ARGS)
-	TF1_SYNCBN_TEST_BEHAVIOR=v1 $(PY) -m pytest -q $(SUITE) $(PYTEST_ARGS)
+	TF1_SYNCBN_TEST_BEHAVIOR=v2 $(PY) -m pytest -q $(XDIST) $(SUITE) $(PYTEST_ARGS)
+	TF1_SYNCBN_TEST_BEHAVIOR=v1 $(PY) -m pytest -q $(XDIST) $(SUITE) $(PYTEST_ARGS)
 
 .PHONY: test-v2 test-v1
 test-v2 test-v1: $(VENV)/.installed-test kernels
-	TF1_SYNCBN_TEST_BEHAVIOR=$(@:test-%=%) $(PY) -m pytest -q $(SUITE) $(PYTEST_ARGS)
+	TF1_SYNCBN_TEST_BEHAVIOR=$(@:test-%=%) $(PY) -m pytest -q $(XDIST) $(SUITE) $(PYTEST_ARGS)
 
 # ruff, with the rules in pyproject.toml ([tool.ruff]).
 lint: $(VENV)/.installed-test

@@ -30,6 +30,9 @@ from tower import virtual_cpu_config  # noqa: E402
 
 MAX_DEVICES = 8
 
+#: The timing report (`--suite-times=PATH`, tests/suite_times.py).
+pytest_plugins = ["suite_times"]
+
 
 @pytest.fixture
 def graph():

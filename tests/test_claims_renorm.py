@@ -37,7 +37,7 @@ import tensorflow as tf
 import reference_cases
 from parity_harness import DEFAULT_SIZES, STEPS, assert_same_numbers, case_data, train_case
 from tf1_syncbn import CollectiveBackend, sync_batch_norm
-from without_onednn import kernel_set, kernel_sets, run_stock_cases_without_onednn
+from without_onednn import kernel_set, kernel_cases, run_stock_cases_without_onednn
 
 tf1 = tf.compat.v1
 
@@ -154,8 +154,7 @@ def test_one_tower_is_slims_renorm_on_the_equivalent_problem(slim_arrays, case):
         assert not info['update_ops']
 
 
-@pytest.mark.parametrize('kernel_impl', kernel_sets())
-@pytest.mark.parametrize('case', CASES, ids=NAMES)
+@pytest.mark.parametrize('kernel_impl,case', kernel_cases(CASES, CASES))
 def test_towers_are_slims_renorm_on_the_concatenated_batch(slim_arrays, case, kernel_impl):
     ours, info = _ours(case, DEFAULT_SIZES, kernel_impl)
     assert_same_numbers(ours, _expected(case, slim_arrays[CASES.index(case)], ours), case,

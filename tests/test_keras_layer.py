@@ -29,7 +29,7 @@ import keras_cases
 import reference_cases
 from keras_cases import MODEL, RUN_CASES
 from parity_harness import DEFAULT_SIZES, assert_same_numbers, case_data, train_case
-from without_onednn import in_child, kernel_set, kernel_sets
+from without_onednn import kernel_set, kernel_cases
 from tf1_syncbn import CollectiveBackend
 from tf1_syncbn import keras as sync_keras
 
@@ -80,9 +80,7 @@ def test_one_tower_is_tf_keras(keras_arrays, case):
     assert_same_numbers(ours, keras_arrays[RUN_CASES.index(case)], case, 1)
 
 
-@pytest.mark.parametrize('kernel_impl', kernel_sets())
-@pytest.mark.parametrize('case', STOCK_CASES if in_child() else RUN_CASES,
-                         ids=lambda case: case['name'])
+@pytest.mark.parametrize('kernel_impl,case', kernel_cases(RUN_CASES, STOCK_CASES))
 def test_towers_are_tf_keras_on_the_concatenated_batch(keras_arrays, case, kernel_impl):
     sizes = case.get('sizes', DEFAULT_SIZES)
     ours, _ = _ours(case, sizes, kernel_impl)

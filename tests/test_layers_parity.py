@@ -32,7 +32,7 @@ from layers_cases import PARITY_CASES, SCENARIOS, parity_apply, run_scenario
 from layers_reference import REFERENCE_DIR_VARIABLE, reference_dir
 from layers_reference import reference as run_layers_reference
 from parity_harness import DEFAULT_SIZES, assert_same_numbers, case_data, train_case
-from without_onednn import in_child, kernel_set, kernel_sets, run_stock_cases_without_onednn
+from without_onednn import kernel_set, kernel_cases, run_stock_cases_without_onednn
 from tf1_syncbn import CollectiveBackend, layers
 
 tf1 = tf.compat.v1
@@ -104,9 +104,7 @@ def test_one_tower_is_tf_layers(reference, case):
     assert not missing, 'tf.layers has fused ops %s, we do not' % sorted(missing)
 
 
-@pytest.mark.parametrize('kernel_impl', kernel_sets())
-@pytest.mark.parametrize('case', STOCK_CASES if in_child() else PARITY_CASES,
-                         ids=lambda case: case['name'])
+@pytest.mark.parametrize('kernel_impl,case', kernel_cases(PARITY_CASES, STOCK_CASES))
 def test_towers_are_tf_layers_on_the_concatenated_batch(reference, case, kernel_impl):
     """The compiled kernels here, the stock ones with oneDNN off in a child run.
 

@@ -31,7 +31,7 @@ import tensorflow as tf
 import reference_cases
 import tf_behavior
 from parity_harness import DEFAULT_SIZES, assert_same_numbers, train_case
-from without_onednn import in_child, kernel_set, kernel_sets, run_stock_cases_without_onednn
+from without_onednn import kernel_set, kernel_cases, run_stock_cases_without_onednn
 from tf1_syncbn import CollectiveBackend, sync_batch_norm
 
 tf1 = tf.compat.v1
@@ -261,9 +261,7 @@ def test_one_tower_is_slim(slim_results, case):
     assert not missing, 'slim has fused ops %s, we do not' % sorted(missing)
 
 
-@pytest.mark.parametrize('kernel_impl', kernel_sets())
-@pytest.mark.parametrize('case', STOCK_CASES if in_child() else CASES,
-                         ids=lambda case: case['name'])
+@pytest.mark.parametrize('kernel_impl,case', kernel_cases(CASES, STOCK_CASES))
 def test_towers_are_slim_on_the_concatenated_batch(slim_results, case, kernel_impl):
     """The compiled kernels here, the stock ones with oneDNN off in a child run.
 

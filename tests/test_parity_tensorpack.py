@@ -33,7 +33,7 @@ import tf_behavior
 from parity_harness import DEFAULT_SIZES, assert_same_numbers, train_case
 import tf1_syncbn
 from tf1_syncbn import BatchNorm, CollectiveBackend
-from without_onednn import kernel_set, kernel_sets, run_stock_cases_without_onednn
+from without_onednn import kernel_set, kernel_cases, run_stock_cases_without_onednn
 
 tf1 = tf.compat.v1
 
@@ -185,8 +185,7 @@ def test_one_tower_is_tensorpack(tensorpack_results, case):
                                            if v not in ref_info['trainable_variables']]
 
 
-@pytest.mark.parametrize('kernel_impl', kernel_sets())
-@pytest.mark.parametrize('case', CASES, ids=NAMES)
+@pytest.mark.parametrize('kernel_impl,case', kernel_cases(CASES, CASES))
 def test_towers_are_tensorpack_on_the_concatenated_batch(tensorpack_results, case, kernel_impl):
     """The compiled kernels here, the stock ones with oneDNN off in a child run.
 

@@ -26,6 +26,8 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ElementTree
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: Set in the child: conftest.py then checks oneDNN and the kernel set.
@@ -120,6 +122,7 @@ class ChildRun(object):
           timeout: seconds for the whole child run.
           keyword: the ``-k`` expression that selects the cases.
         """
+        skip_if_stock_ran_here()
         report = os.path.join(str(tmp_path), 'stock_without_onednn.xml')
         command = [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
                    '--tb=short', '-k', '(%s) and not %s' % (keyword, PARENT_TEST_WORD),
@@ -173,21 +176,62 @@ def run_stock_cases_without_onednn(module, tmp_path, expected, extra_env=None, t
 ALSO_STOCK_WITH_ONEDNN = 'TF1_SYNCBN_TEST_STOCK_WITH_ONEDNN'
 
 
+def onednn_off_here():
+    """Whether TensorFlow's oneDNN rewrites are off in this process.
+
+    They are off with ``TF_ENABLE_ONEDNN_OPTS=0``, and by default on CPUs
+    where TensorFlow does not turn them on (an AMD EPYC without AVX-512, for
+    one). The stock kernel set built here then runs on TensorFlow's plain
+    kernels, as in the child run: the stock cases run in this process, and
+    the child run would repeat them.
+    """
+    from tensorflow.python.util import _pywrap_util_port  # noqa: PLC0415 - TF-internal
+    return not _pywrap_util_port.IsMklEnabled()
+
+
 def kernel_sets():
     """The kernel sets a parity or harness module's multi-tower tests run on in this process.
 
-    ``['custom']`` in the test process (the compiled kernels, oneDNN on),
     ``['stock']`` in the child run (TensorFlow's kernels, oneDNN off: what GPU
-    towers run). A case costs about 4x as much on the stock set, so these
-    modules do not also run it with oneDNN on unless
-    ``$TF1_SYNCBN_TEST_STOCK_WITH_ONEDNN=1`` (about +70 s); the exactness,
-    numerics and formats modules always do (``kernel_impl``).
+    towers run). In the test process ``['custom']`` (the compiled kernels)
+    where oneDNN is on, and both where it is off (:func:`onednn_off_here`:
+    the stock cases run here instead of in a child). A case costs about 4x as
+    much on the stock set, so with oneDNN on these modules do not also run it
+    in the test process unless ``$TF1_SYNCBN_TEST_STOCK_WITH_ONEDNN=1``
+    (about +70 s); the exactness, numerics and formats modules always do
+    (``kernel_impl``).
     """
     if in_child():
         return ['stock']
-    if os.environ.get(ALSO_STOCK_WITH_ONEDNN) == '1':
+    if onednn_off_here() or os.environ.get(ALSO_STOCK_WITH_ONEDNN) == '1':
         return ['custom', 'stock']
     return ['custom']
+
+
+def kernel_cases(cases, stock_cases, name=lambda case: case['name']):
+    """``(kernel set, case)`` parameters of a parity module's multi-tower test, here.
+
+    Every case of ``cases`` on the compiled kernels; those of ``stock_cases``
+    on the stock ones with oneDNN off (in the child run, or in this process
+    where oneDNN is off); with ``$TF1_SYNCBN_TEST_STOCK_WITH_ONEDNN=1`` and
+    oneDNN on, every case on the stock kernels too. Ids are
+    ``<kernel set>-<case name>``, so ``-k stock`` selects the stock ones.
+    """
+    params = []
+    for kernels in kernel_sets():
+        chosen = stock_cases if kernels == 'stock' and (in_child() or onednn_off_here()) \
+            else cases
+        params += [pytest.param(kernels, case, id='%s-%s' % (kernels, name(case)))
+                   for case in chosen]
+    return params
+
+
+def skip_if_stock_ran_here():
+    """Skips a child run's test where oneDNN is off here: the stock cases ran in this process."""
+    if onednn_off_here() and not in_child():
+        pytest.skip('oneDNN is off in this process (TF_ENABLE_ONEDNN_OPTS=0, or a CPU where '
+                    'TensorFlow leaves it off): the stock kernel cases ran here, as the '
+                    "tests' [stock-...] ids, and a child run would repeat them")
 
 
 @contextlib.contextmanager
