@@ -17,6 +17,9 @@ PYTEST_ARGS ?=
 # loadfile), so a module's reference run and shared graphs are built once.
 PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
+# Each pass writes its tests' wall and CPU times here (tests/suite_times.py);
+# `python tools/suite_times.py .suite-times/*.json` shows where the time went.
+TIMES := --suite-times=.suite-times/$$TF1_SYNCBN_TEST_BEHAVIOR.json
 
 .PHONY: demo test install kernels clean bench lint docs wheel-check
 
@@ -70,12 +73,12 @@ demo: $(VENV)/.installed
 # run one pass. tests/with_horovod is make test-horovod's, even where Horovod is built.
 SUITE := tests --ignore=tests/with_horovod
 test: $(VENV)/.installed-test kernels lint docs
-	TF1_SYNCBN_TEST_BEHAVIOR=v2 $(PY) -m pytest -q $(XDIST) $(SUITE) $(PYTEST_ARGS)
-	TF1_SYNCBN_TEST_BEHAVIOR=v1 $(PY) -m pytest -q $(XDIST) $(SUITE) $(PYTEST_ARGS)
+	export TF1_SYNCBN_TEST_BEHAVIOR=v2; $(PY) -m pytest -q $(XDIST) $(TIMES) $(SUITE) $(PYTEST_ARGS)
+	export TF1_SYNCBN_TEST_BEHAVIOR=v1; $(PY) -m pytest -q $(XDIST) $(TIMES) $(SUITE) $(PYTEST_ARGS)
 
 .PHONY: test-v2 test-v1
 test-v2 test-v1: $(VENV)/.installed-test kernels
-	TF1_SYNCBN_TEST_BEHAVIOR=$(@:test-%=%) $(PY) -m pytest -q $(XDIST) $(SUITE) $(PYTEST_ARGS)
+	export TF1_SYNCBN_TEST_BEHAVIOR=$(@:test-%=%); $(PY) -m pytest -q $(XDIST) $(TIMES) $(SUITE) $(PYTEST_ARGS)
 
 # ruff, with the rules in pyproject.toml ([tool.ruff]).
 lint: $(VENV)/.installed-test

@@ -72,6 +72,7 @@ class _Recorder(object):
     def pytest_terminal_summary(self, terminalreporter):
         records = list(self.tests.values())
         elapsed = time.time() - self.started
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
         with open(self.path, 'w') as f:
             json.dump({'elapsed': elapsed, 'tests': records}, f, indent=1)
         by_module = collections.defaultdict(lambda: [0, 0.0, 0.0])
