@@ -98,6 +98,38 @@ def two_workers(tmp_path_factory):
     return dict(metrics(out), stdout=proc.stdout, text=text)
 
 
+#: Where the test SIGKILLs a worker of the restarting job: when the chief prints
+#: this progress line (after the checkpoint of step 10, so that the steps
+#: after it are trained twice), the worker with this task index.
+KILLS = (('sync      step 15/%d' % STEPS, 1), ('per_tower step 15/%d' % STEPS, 0))
+
+
+@pytest.fixture(scope='module')
+def killed_twice(tmp_path_factory):
+    """2 workers x 2 towers with --max-restarts 2; two workers SIGKILLed (KILLS)."""
+    import re
+    import signal
+    out = str(tmp_path_factory.mktemp('killed_twice'))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]))
+    proc = subprocess.Popen([sys.executable, DEMO, '--workers', '2', '--towers', '2',
+                             '--max-restarts', '2', '--out-dir', out] + COMMON +
+                            tf_behavior.flag(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    lines, pids, kills, all_pids = [], {}, list(KILLS), []
+    for line in proc.stdout:
+        lines.append(line.rstrip('\n'))
+        started = re.match(r'\[launcher\] worker (\d): pid (\d+)', line)
+        if started:
+            pids[int(started.group(1))] = int(started.group(2))
+            all_pids.append(int(started.group(2)))
+        if kills and line.startswith('[worker 0] ' + kills[0][0]):
+            os.kill(pids[kills.pop(0)[1]], signal.SIGKILL)
+    status = proc.wait(timeout=60)
+    text = '\n'.join(lines)
+    assert status == 0 and not kills, text[-6000:]
+    return dict(metrics(out), lines=lines, text=text, out=out, pids=all_pids)
+
+
 def test_batches_follow_the_step():
     n, batch = 10, 4
     steps = [demo.batch_indices(s, batch, n, seed=3) for s in range(5)]
@@ -256,3 +288,84 @@ def test_resume_after_a_crash_continues_as_the_uninterrupted_run(one_worker, tmp
                                        rtol=1e-6, err_msg='%s %s' % (name, key))
         assert resumed['runs'][name]['held_out_accuracy'] == \
             one_worker['runs'][name]['held_out_accuracy']
+
+
+@pytest.mark.once(reason=ONCE)
+@pytest.mark.timeout(600)
+def test_a_job_killed_twice_restarts_and_equals_the_uninterrupted_run(two_workers,
+                                                                     killed_twice):
+    from test_multi_worker_launch import wait_gone
+    killed, out = killed_twice, killed_twice['out']
+    # Every step's loss and accuracy, the held-out curve and the final
+    # accuracy are the uninterrupted run's, bit for bit, for both runs, though
+    # steps 11 to 15 or so of each were trained twice (killed after the
+    # progress line of step 15, resumed from the checkpoint of step 10).
+    for name in ('sync', 'per_tower'):
+        for key in ('loss', 'accuracy', 'eval_step', 'eval_accuracy', 'held_out_accuracy'):
+            np.testing.assert_array_equal(killed['runs'][name][key], two_workers['runs'][name][key],
+                                          err_msg='%s %s' % (name, key))
+    assert killed['runs']['sync']['resumed_at'] == [10, STEPS]
+    assert killed['runs']['per_tower']['resumed_at'] == [10]
+    assert killed['restart_count'] == 2
+    # metrics.json records each restart: the worker, its exit cause, and where
+    # the chief resumed each run; the launcher logged the same.
+    sync, per_tower = (os.path.join(out, name, 'model.ckpt-%d') for name in ('sync', 'per_tower'))
+    restarts = killed['restarts']
+    assert [(r['restart'], r['worker'], r['cause'], r['exit_status']) for r in restarts] == [
+        (1, 1, 'killed by SIGKILL', 137), (2, 0, 'killed by SIGKILL', 137)]
+    assert [[(s['step'], s['checkpoint']) for s in r['resumed']] for r in restarts] == [
+        [(10, sync % 10), (0, None)], [(STEPS, sync % STEPS), (10, per_tower % 10)]]
+    for line in ('[launcher] restart 1 of 2: worker 1 killed by SIGKILL; every worker is stopped',
+                 '[launcher] restart 1: worker 0 resumed at step 10 from %s' % (sync % 10),
+                 '[launcher] restart 1: worker 0 started at step 0 (no checkpoint in %s)'
+                 % os.path.join(out, 'per_tower'),
+                 '[launcher] restart 2 of 2: worker 0 killed by SIGKILL; every worker is stopped',
+                 '[launcher] restart 2: worker 0 resumed at step 10 from %s' % (per_tower % 10)):
+        assert any(l.startswith(line) for l in killed['lines']), (line, killed['text'][-6000:])
+    assert 'PASS: SyncBN held-out accuracy' in killed['text'].split('Restart 2:')[-1]
+    assert len(killed['pids']) == 6 and wait_gone(killed['pids']) == []
+
+
+def _checkpoint_state(run_dir, steps, saved):
+    """A ``checkpoint`` state file listing ``steps``; index files for those in ``saved``."""
+    os.makedirs(run_dir, exist_ok=True)
+    names = ['model.ckpt-%d' % s for s in steps]
+    with open(os.path.join(run_dir, 'checkpoint'), 'w') as f:
+        f.write('model_checkpoint_path: "%s"\n' % names[-1])
+        f.writelines('all_model_checkpoint_paths: "%s"\n' % n for n in names)
+    for s in saved:
+        write(os.path.join(run_dir, 'model.ckpt-%d.index' % s), '')
+
+
+@pytest.mark.once(reason='command-line logic, before any graph is built')
+def test_auto_resume_resumes_when_a_checkpoint_is_there_else_starts_afresh(tmp_path,
+                                                                         monkeypatch):
+    from tf1_syncbn.restarts import RESTART_COUNT_ENV
+    monkeypatch.delenv(RESTART_COUNT_ENV, raising=False)
+    out = str(tmp_path / 'out')
+    argv = COMMON + ['--out-dir', out]
+    args = demo.parse_args(argv + ['--auto-resume'])
+    assert demo.apply_auto_resume(args) == '--overwrite' and args.overwrite and not args.resume
+    # What an interrupted first start leaves (no checkpoint yet) is replaced,
+    # not refused as an earlier run.
+    write(os.path.join(out, 'sync', 'history.json'), '{}')
+    write(os.path.join(out, 'initial_weights.npz'), '')
+    assert demo.refusal(demo.parse_args(argv)) is not None
+    args = demo.parse_args(argv + ['--auto-resume'])
+    assert demo.apply_auto_resume(args) == '--overwrite'
+    assert demo.refusal(args) is None and demo.resume_problem(args) is None
+    # A checkpoint whose newest entry is half-written (no index): --resume
+    # from the older one, which is what the run has trained.
+    _checkpoint_state(os.path.join(out, 'per_tower'), [10, 20], saved=[10])
+    args = demo.parse_args(argv + ['--auto-resume'])
+    assert demo.apply_auto_resume(args) == '--resume' and args.resume and not args.overwrite
+    assert demo.resume_problem(args) is None
+    assert demo.resume_problem(demo.parse_args(argv + ['--resume', '--steps', '5'])).startswith(
+        '--resume: the run in %s has trained 10 steps already' % out)
+    # Without the option: only a worker restarted by --max-restarts does it.
+    assert demo.apply_auto_resume(demo.parse_args(argv)) is None
+    monkeypatch.setenv(RESTART_COUNT_ENV, '0')
+    assert demo.apply_auto_resume(demo.parse_args(argv)) is None
+    monkeypatch.setenv(RESTART_COUNT_ENV, '1')
+    args = demo.parse_args(argv)
+    assert demo.apply_auto_resume(args) == '--resume' and args.resume
