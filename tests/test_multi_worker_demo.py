@@ -130,6 +130,89 @@ def killed_twice(tmp_path_factory):
     return dict(metrics(out), lines=lines, text=text, out=out, pids=all_pids)
 
 
+class _Supervisor(object):
+    """Plays an outside supervisor (a Kubernetes restartPolicy, a node agent) for each worker.
+
+    Worker 0 runs the demo with ``--hosts ... --task 0``, worker 1 with
+    ``TF_CONFIG``, always on the same two addresses, both with
+    ``--auto-resume``. A worker that fails (a non-zero status, a signal) is
+    started again, up to ``max_restarts`` times: at once, or, when it was
+    killed by a signal, ``late`` seconds later, as a node that takes longer to
+    come back. ``kill`` = (marker, worker): SIGKILL that worker, once, when
+    the chief prints a line starting with marker.
+    """
+
+    def __init__(self, out, kill, max_restarts=1, late=5.0):
+        import threading
+        from tf1_syncbn.launch import free_ports, tf_config
+        addresses = ['localhost:%d' % p for p in free_ports(2)]
+        argv = [sys.executable, DEMO, '--towers', '2', '--out-dir', out,
+                '--auto-resume'] + COMMON + tf_behavior.flag()
+        self.argv = [argv + ['--hosts', ','.join(addresses), '--task', '0'], argv]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT,
+                                                           os.environ.get('PYTHONPATH', '')]))
+        self.envs = [env, dict(env, TF_CONFIG=tf_config(addresses, 1))]
+        self.kill, self.max_restarts, self.late = kill, max_restarts, late
+        self.starts = [[], []]        # per worker, the time of each start
+        self.lines = [[], []]         # per worker, per attempt, its lines
+        self.codes = [[], []]
+        self.procs = [None, None]
+        self._lock = threading.Lock()
+
+    def _run(self, rank, deadline):
+        import signal
+        import time
+        for attempt in range(self.max_restarts + 1):
+            lines = []
+            with self._lock:
+                self.starts[rank].append(time.time())
+                self.lines[rank].append(lines)
+                self.procs[rank] = subprocess.Popen(
+                    self.argv[rank], env=self.envs[rank], text=True, cwd=ROOT,
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                proc = self.procs[rank]
+            for line in proc.stdout:
+                lines.append(line.rstrip('\n'))
+                if rank == 0 and self.kill and line.startswith(self.kill[0]):
+                    with self._lock:
+                        os.kill(self.procs[self.kill[1]].pid, signal.SIGKILL)
+                        self.kill = None
+            self.codes[rank].append(proc.wait())
+            if self.codes[rank][-1] == 0 or time.time() > deadline:
+                return
+            if self.codes[rank][-1] < 0:
+                time.sleep(self.late)
+
+    def run(self, timeout):
+        import signal
+        import threading
+        import time
+        deadline = time.time() + timeout
+        threads = [threading.Thread(target=self._run, args=(rank, deadline), daemon=True)
+                   for rank in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(1.0, deadline - time.time()))
+        for proc in self.procs:
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        return self
+
+    def text(self):
+        return '\n'.join('[worker %d, start %d] %s' % (rank, a, line)
+                         for rank in range(2) for a, lines in enumerate(self.lines[rank])
+                         for line in lines)[-8000:]
+
+
+@pytest.fixture(scope='module')
+def supervised(tmp_path_factory):
+    """The chief, under its supervisor, SIGKILLed after the sync run's step 15."""
+    out = str(tmp_path_factory.mktemp('supervised'))
+    supervisor = _Supervisor(out, kill=(KILLS[0][0], 0)).run(timeout=400)
+    return dict(supervisor=supervisor, out=out)
+
+
 def test_batches_follow_the_step():
     n, batch = 10, 4
     steps = [demo.batch_indices(s, batch, n, seed=3) for s in range(5)]
@@ -369,3 +452,28 @@ def test_auto_resume_resumes_when_a_checkpoint_is_there_else_starts_afresh(tmp_p
     monkeypatch.setenv(RESTART_COUNT_ENV, '1')
     args = demo.parse_args(argv)
     assert demo.apply_auto_resume(args) == '--resume' and args.resume
+
+
+@pytest.mark.once(reason=ONCE)
+@pytest.mark.timeout(600)
+def test_workers_restarted_by_a_supervisor_rejoin_and_equal_the_uninterrupted_run(
+        two_workers, supervised):
+    supervisor, out = supervised['supervisor'], supervised['out']
+    text = supervisor.text()
+    # The chief was killed; worker 1 lost it (status 1); both came back and
+    # finished. The chief came back 5 s after worker 1, which waited for it
+    # (its group leader) at the start-up rendezvous.
+    assert supervisor.codes == [[-9, 0], [1, 0]], text
+    assert supervisor.starts[0][1] - supervisor.starts[1][1] > 4, text
+    assert 'FAIL: worker 1 (localhost:' in '\n'.join(supervisor.lines[1][0]), text
+    assert '--auto-resume: --resume (a checkpoint in %s)' % out in supervisor.lines[0][1], text
+    assert 'sync      resumed at step 10 from %s' % os.path.join(out, 'sync', 'model.ckpt-10') \
+        in supervisor.lines[0][1], text
+    resumed = metrics(out)
+    for name in ('sync', 'per_tower'):
+        for key in ('loss', 'accuracy', 'eval_step', 'eval_accuracy', 'held_out_accuracy'):
+            np.testing.assert_array_equal(resumed['runs'][name][key],
+                                          two_workers['runs'][name][key],
+                                          err_msg='%s %s' % (name, key))
+    assert resumed['runs']['sync']['resumed_at'] == [10]
+    assert resumed['runs']['per_tower']['resumed_at'] == []
