@@ -157,7 +157,8 @@ class WorkerSession(object):
     Raises:
       ValueError: ``hang_timeout`` or ``restore_timeout`` not a finite number
         of seconds.
-      PeerMissingError: see steps 2 and 5.
+      PeerMissingError: see steps 2 and 5; also when this worker was
+        restarted and the chief still runs the job's previous start.
       RuntimeError: ``checkpoint_dir`` lists checkpoints, none of which
         restores (step 4).
 
@@ -265,6 +266,17 @@ class WorkerSession(object):
                     % (me, within, _summarize(e),
                        'not answering now: ' + ', '.join(missing) if missing else
                        'every peer accepts connections'), missing) from None
+            except tf.errors.FailedPreconditionError as e:
+                if cluster.num_workers == 1 or 'incarnation' not in str(e):
+                    raise
+                # This worker restarted, and the group leader still runs the job's
+                # previous start (it has not noticed the failure yet).
+                leader = cluster.describe(0)
+                raise PeerMissingError(
+                    '%s: %s still runs the previous start of the job: its collective group '
+                    'holds this worker as it was before it restarted. It fails within its '
+                    'collective timeout, and must restart too; this worker exits so that its '
+                    'own restart meets the new one.' % (me, leader), [leader]) from None
         finally:
             self._watchdog.disarm()
         self.start_step = self.global_step() or 0
