@@ -27,6 +27,15 @@ collective runtime; see docs/multi-worker.md):
 * ``--hosts h0:port,h1:port --task i`` (or ``TF_CONFIG``) runs one worker of
   a cluster, one per host.
 
+With ``--workers W --max-restarts N``, a worker that dies makes the launcher
+stop the others and start every worker again, up to N times; the restarted
+workers resume from the chief's last complete checkpoint, and
+``metrics.json`` records each restart (``restarts``: the worker, its exit
+cause, where the chief resumed each run). Workers that a supervisor restarts
+with the same command (``--hosts``/``--task`` or ``TF_CONFIG``) take
+``--auto-resume``: ``--resume`` when ``--out-dir`` holds a checkpoint, else
+``--overwrite``. See docs/restarts.md.
+
 The global batch is ``workers * towers * batch_per_tower``; the batch of step
 ``s`` is a function of ``s`` and ``--seed`` only, and worker ``r`` takes its
 ``r``-th slice. So ``--workers 2 --towers 2`` follows ``--workers 1 --towers
@@ -79,7 +88,8 @@ Usage::
 
     python examples/train_multitower.py [--towers 4] [--batch-per-tower 2]
         [--steps 900] [--backend auto|collective|none] [--out-dir demo_out/]
-        [--seed 0] [--min-accuracy 0.95] [--workers 1] [--resume | --overwrite]
+        [--seed 0] [--min-accuracy 0.95] [--workers 1] [--max-restarts 0]
+        [--resume | --overwrite | --auto-resume]
     python examples/train_multitower.py --hosts h0:2222,h1:2222 --task 0 --towers 2
 """
 
