@@ -307,6 +307,7 @@ def test_a_stopped_job_is_never_restarted(tmp_path):
     lines = []
     while len([l for l in lines if l.startswith('[worker')]) < 2:
         lines.append(proc.stdout.readline())
+        assert lines[-1], ''.join(lines)        # the launcher ended before its workers spoke
     proc.send_signal(signal.SIGTERM)
     out = ''.join(lines) + proc.stdout.read()
     assert proc.wait(timeout=30) == 128 + signal.SIGTERM, out
