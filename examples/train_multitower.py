@@ -27,6 +27,15 @@ collective runtime; see docs/multi-worker.md):
 * ``--hosts h0:port,h1:port --task i`` (or ``TF_CONFIG``) runs one worker of
   a cluster, one per host.
 
+With ``--workers W --max-restarts N``, a worker that dies makes the launcher
+stop the others and start every worker again, up to N times; the restarted
+workers resume from the chief's last complete checkpoint, and
+``metrics.json`` records each restart (``restarts``: the worker, its exit
+cause, where the chief resumed each run). Workers that a supervisor restarts
+with the same command (``--hosts``/``--task`` or ``TF_CONFIG``) take
+``--auto-resume``: ``--resume`` when ``--out-dir`` holds a checkpoint, else
+``--overwrite``. See docs/restarts.md.
+
 The global batch is ``workers * towers * batch_per_tower``; the batch of step
 ``s`` is a function of ``s`` and ``--seed`` only, and worker ``r`` takes its
 ``r``-th slice. So ``--workers 2 --towers 2`` follows ``--workers 1 --towers
@@ -79,7 +88,8 @@ Usage::
 
     python examples/train_multitower.py [--towers 4] [--batch-per-tower 2]
         [--steps 900] [--backend auto|collective|none] [--out-dir demo_out/]
-        [--seed 0] [--min-accuracy 0.95] [--workers 1] [--resume | --overwrite]
+        [--seed 0] [--min-accuracy 0.95] [--workers 1] [--max-restarts 0]
+        [--resume | --overwrite | --auto-resume]
     python examples/train_multitower.py --hosts h0:2222,h1:2222 --task 0 --towers 2
 """
 
@@ -106,6 +116,7 @@ import tf_slim as slim  # noqa: E402
 from tf1_syncbn import DistributedOptimizer, audit_graph, sync_batch_norm  # noqa: E402
 from tf1_syncbn.distributed import (ClusterError, WorkerSession,  # noqa: E402
                                     average_across_workers, hard_exit, setup_cluster)
+from tf1_syncbn.restarts import restart_count  # noqa: E402
 from tower import call_for_each_tower, get_current_tower_context  # noqa: E402
 
 tf1 = tf.compat.v1
@@ -152,6 +163,10 @@ def parse_args(argv=None):
                         help='delete an earlier run in --out-dir (checkpoints, history, initial '
                              'weights, metrics) and start afresh; without it or --resume, the '
                              'job refuses to start when --out-dir holds an earlier run')
+    parser.add_argument('--auto-resume', action='store_true',
+                        help='--resume when --out-dir holds a checkpoint, else --overwrite: for '
+                             'workers that a supervisor restarts with the same command (the '
+                             'workers that --max-restarts restarts do this without it)')
     parser.add_argument('--tf1-behavior', action='store_true',
                         help='build and run the graphs under tf.compat.v1.disable_v2_behavior() '
                              '(TF1 behaviour: reference variables, v1 control flow), as TF1 '
@@ -170,13 +185,20 @@ def parse_args(argv=None):
                        help='seconds a collective waits for the other workers (a lost worker '
                             'makes the others fail within it)')
     group.add_argument('--startup-timeout', type=float, default=120.0,
-                       help='seconds to wait for every worker at start-up')
+                       help='seconds to wait for every worker at start-up (a restarted '
+                            'worker\'s peers wait this long for it)')
+    group.add_argument('--max-restarts', type=int, default=0,
+                       help='with --workers: when a worker fails, stop the others and restart '
+                            'every worker, up to this many times; they resume from the chief\'s '
+                            'last checkpoint (ignored by the workers themselves)')
     args = parser.parse_args(argv)
     for name in ('towers', 'batch_per_tower', 'steps', 'eval_every', 'workers'):
         if getattr(args, name) < 1:
             parser.error('--%s must be at least 1' % name.replace('_', '-'))
     if args.save_every < 0:
         parser.error('--save-every must be at least 0')
+    if args.max_restarts < 0:
+        parser.error('--max-restarts must be at least 0')
     if args.task is not None and not args.hosts:
         parser.error('--task needs --hosts')
     if args.hosts and args.task is None and args.workers != len(args.hosts.split(',')):
@@ -324,18 +346,23 @@ def print_audit(name, net):
     return report
 
 
+_STEP_KEYS = ('step', 'loss', 'accuracy', 'eval_step', 'eval_accuracy', 'eval_loss')
+
+
 def _new_history():
-    return {'step': [], 'loss': [], 'accuracy': [], 'eval_step': [], 'eval_accuracy': [],
-            'eval_loss': []}
+    history = {key: [] for key in _STEP_KEYS}
+    history['resumed_at'] = []          # the step of every resume of this run, in order
+    return history
 
 
 def _history_until(history, step):
-    """The entries of ``history`` up to (and including) ``step``."""
+    """The entries of ``history`` up to (and including) ``step``, and its resumes."""
     out = _new_history()
     kept = sum(1 for s in history['step'] if s <= step)
     evals = sum(1 for s in history['eval_step'] if s <= step)
-    for key in out:
+    for key in _STEP_KEYS:
         out[key] = history[key][:evals if key.startswith('eval_') else kept]
+    out['resumed_at'] = list(history.get('resumed_at', []))
     return out
 
 
@@ -361,6 +388,35 @@ def _checkpoint_step(path):
         return 0
 
 
+def latest_saved(run_dir):
+    """The newest checkpoint of ``run_dir``'s state file whose index is there, or None.
+
+    Like ``tf.train.latest_checkpoint``, but a newest one whose files are
+    missing (half-written) does not hide the older ones, which
+    :class:`~tf1_syncbn.distributed.WorkerSession` restores instead.
+    """
+    state = tf1.train.get_checkpoint_state(run_dir)
+    if state is None:
+        return None
+    paths = [state.model_checkpoint_path] + list(reversed(state.all_model_checkpoint_paths))
+    return next((p for p in paths if p and os.path.exists(p + '.index')), None)
+
+
+def apply_auto_resume(args):
+    """--auto-resume, or a worker restarted by --max-restarts: --resume or --overwrite.
+
+    --resume when --out-dir holds a checkpoint of either run, else --overwrite
+    (what an interrupted first start left is replaced). Returns the choice, or
+    None when neither applies.
+    """
+    if not (args.auto_resume or restart_count() > 0):
+        return None
+    out_dir = os.path.abspath(args.out_dir)
+    args.resume = any(latest_saved(os.path.join(out_dir, run)) for run in RUNS)
+    args.overwrite = not args.resume
+    return '--resume' if args.resume else '--overwrite'
+
+
 def resume_problem(args):
     """Why ``--resume`` cannot continue the run in --out-dir, or None.
 
@@ -373,7 +429,7 @@ def resume_problem(args):
         return None
     out_dir = os.path.abspath(args.out_dir)
     runs = [os.path.join(out_dir, run) for run in RUNS]
-    if not any(tf1.train.latest_checkpoint(run_dir) for run_dir in runs):
+    if not any(latest_saved(run_dir) for run_dir in runs):
         stale = [os.path.join(run_dir, 'checkpoint') for run_dir in runs
                  if os.path.exists(os.path.join(run_dir, 'checkpoint'))]
         return ('--resume: %s holds no checkpoint to resume from%s. Run without --resume '
@@ -381,7 +437,7 @@ def resume_problem(args):
                 % (out_dir, ' (%s names checkpoint files that are not there: a run saved by an '
                              'older version, with absolute paths, then moved)' % stale[0]
                    if stale else ''))
-    trained = max(_checkpoint_step(tf1.train.latest_checkpoint(run_dir)) for run_dir in runs)
+    trained = max(_checkpoint_step(latest_saved(run_dir)) for run_dir in runs)
     if args.steps < trained:
         return ('--resume: the run in %s has trained %d steps already; --steps %d would train '
                 'none of them again and leave its metrics mixed. Pass --steps %d or more '
@@ -473,8 +529,13 @@ def write_json(path, value, **kwargs):
     _atomic_write(path, lambda f: json.dump(value, f, **kwargs))
 
 
-def train(name, args, sync_statistics, data, run_dir, cluster, initial_values=None):
+def train(name, args, sync_statistics, data, run_dir, cluster, initial_values=None,
+          initial_path=None):
     """Trains one run on this worker.
+
+    Without ``initial_values``, a run that starts at step 0 takes its own
+    initial weights, and the chief writes them to ``initial_path`` before the
+    first step (so that the other run starts from them, also after a restart).
 
     Returns:
       ``(history, checkpoint path or None, initial weights, final held-out accuracy
@@ -511,8 +572,13 @@ def train(name, args, sync_statistics, data, run_dir, cluster, initial_values=No
             history = _history_until(json.load(f), start)
     if start == 0 and initial_values is None:
         initial_values = session.session.run(net['trainable'])
+        if chief and initial_path:
+            _atomic_write(initial_path, lambda f: np.savez(f, **initial_values), mode='wb')
     if session.restored_from:
         print('%-9s resumed at step %d from %s' % (name, start, session.restored_from))
+        history['resumed_at'].append(start)
+        if chief:
+            write_json(history_path, history)       # the history of the restored step
 
     def evaluate():
         predictions, eval_loss = session.session.run(
@@ -535,7 +601,7 @@ def train(name, args, sync_statistics, data, run_dir, cluster, initial_values=No
                    dynamic_ncols=True, file=sys.stdout, mininterval=0.5)
     report_every = max(1, args.steps // 10)
     run_loss = run_acc = None
-    path = tf1.train.latest_checkpoint(run_dir) if chief else None
+    path = session.restored_from if chief else None
     for step in range(start + 1, args.steps + 1):
         batch = batch_indices(step - 1, global_batch, len(x_train), args.seed)[local]
         loss, acc, _ = session.run([net['loss'], net['accuracy'], net['train_op']],
@@ -680,9 +746,7 @@ def run_worker(args, cluster):
         spec = sync_spec(args.backend, cluster) if name == 'sync' else None
         run_dir = os.path.join(out_dir, name)
         history, checkpoints[name], values, local_accuracy = train(
-            name, args, spec, data, run_dir, cluster, initial_values)
-        if chief and initial_values is None and values is not None:
-            _atomic_write(initial_path, lambda f, v=values: np.savez(f, **v), mode='wb')
+            name, args, spec, data, run_dir, cluster, initial_values, initial_path)
         initial_values = values if values is not None else initial_values
         histories[name] = history
         if chief and checkpoints[name]:
@@ -703,12 +767,16 @@ def run_worker(args, cluster):
             'batch_per_tower': args.batch_per_tower, 'global_batch': global_batch,
             'steps': args.steps, 'seed': args.seed, 'backend': args.backend,
             'min_accuracy': args.min_accuracy, 'passed': passed,
+            # This chief's attempt (TF1_SYNCBN_RESTART_COUNT: 0, or the k-th restart of
+            # --max-restarts); the launcher adds 'restarts', the record of each.
+            'restart_count': restart_count(),
             'runs': {name: {'held_out_accuracy': final[name],
                             'loss': histories[name]['loss'],
                             'accuracy': histories[name]['accuracy'],
                             'eval_step': histories[name]['eval_step'],
                             'eval_accuracy': histories[name]['eval_accuracy'],
                             'start_step': histories[name]['start_step'],
+                            'resumed_at': histories[name]['resumed_at'],
                             'seconds': histories[name]['seconds'],
                             'checkpoint': checkpoints[name]} for name in RUNS}}
         metrics_path = os.path.join(out_dir, 'metrics.json')
@@ -746,10 +814,19 @@ def launch_workers(args, argv):
     command = [sys.executable, os.path.abspath(__file__)] + list(argv)
     addresses = args.hosts.split(',') if args.hosts else None
     print('Starting %d local workers of %d towers each (tf1_syncbn.launch; a failed worker stops '
-          'the others)' % (args.workers, args.towers), flush=True)
+          'the others%s)' % (args.workers, args.towers,
+                             ', then every worker restarts, up to %d times' % args.max_restarts
+                             if args.max_restarts else ''), flush=True)
+    restarts = []
     status = launch(command, args.workers, addresses=addresses,
-                    grace=args.collective_timeout + 15)
+                    grace=args.collective_timeout + 15, max_restarts=args.max_restarts,
+                    restarts=restarts)
     print()
+    for r in restarts:
+        print('Restart %d: %s; the chief then %s.' % (
+            r.number, r.describe(), ', '.join(
+                'resumed at step %d from %s' % (s['step'], s['checkpoint']) if s['checkpoint']
+                else 'started at step 0' for s in r.resumed) or 'did not report its start'))
     if not os.path.exists(metrics_path):
         print('FAIL: a worker failed (exit status %d, see its lines above); no metrics.json was '
               'written. Restart with --resume to continue from the chief\'s last checkpoint in %s.'
@@ -757,6 +834,11 @@ def launch_workers(args, argv):
         return status or 1
     with open(metrics_path) as f:
         metrics = json.load(f)
+    if args.max_restarts:
+        # The launcher's record of each restart: the worker, its exit cause, where
+        # the chief resumed.
+        metrics['restarts'] = [r.to_dict() for r in restarts]
+        write_json(metrics_path, metrics, indent=1)
     accuracies = {name: metrics['runs'][name]['held_out_accuracy'] for name in RUNS}
     passed, lines = verdict(accuracies, args.min_accuracy, args.backend)
     print('%d workers x %d towers x %d examples per tower (global batch %d), %d steps; final '
@@ -814,6 +896,11 @@ def main(argv=None):
     else:
         tf1.disable_eager_execution()
     worker_mode = args.task is not None or _tf_config_cluster()
+    choice = apply_auto_resume(args)
+    if choice and _will_be_chief(args) and (worker_mode or args.workers == 1):
+        print('%s: %s (%s checkpoint in %s)' % (
+            'restart %d' % restart_count() if restart_count() else '--auto-resume', choice,
+            'a' if args.resume else 'no', os.path.abspath(args.out_dir)), flush=True)
     # Before anything starts: never delete an earlier run's checkpoints
     # because --resume was forgotten.
     message = (refusal(args) or resume_problem(args)) if _will_be_chief(args) else None

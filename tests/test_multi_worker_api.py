@@ -265,6 +265,71 @@ def test_worker_session_on_one_worker_saves_and_resumes(no_tf_config, tmp_path):
     assert not [t for t in threading.enumerate() if t.name == 'tf1_syncbn-watchdog']
 
 
+def _half_write(prefix, part):
+    """Leaves checkpoint ``prefix`` as a kill during its write would: ``part`` cut or gone."""
+    path = prefix + ('.index' if part == 'index' else '.data-00000-of-00001')
+    if part == 'index':
+        os.remove(path)
+    else:
+        with open(path, 'r+b') as f:
+            f.truncate(os.path.getsize(path) // 2)
+
+
+def test_worker_session_never_resumes_from_a_half_written_checkpoint(no_tf_config, tmp_path,
+                                                                     monkeypatch, capsys):
+    # The state file names checkpoints 2, 4 and 6; 6 is half-written (its data
+    # cut short, or its index missing), so the chief restores 4, says so,
+    # and prints the start line the restarting launcher logs.
+    from tf1_syncbn.restarts import RESTART_COUNT_ENV, parse_start_line
+    cluster = dist.setup_cluster(towers=1)
+
+    def build():
+        graph = tf.Graph()
+        with graph.as_default():
+            step = tf1.train.get_or_create_global_step()
+            v = tf1.get_variable('v', initializer=tf.constant([0.0, 0.0]))
+            train = tf.group(v.assign_add([1.0, 2.0]), step.assign_add(1))
+        return graph, v, train
+
+    def saved(directory, part):
+        graph, v, train = build()
+        with dist.WorkerSession(cluster, checkpoint_dir=directory, graph=graph) as session:
+            for _ in range(3):
+                session.run([train])
+                session.run([train])
+                path = session.save()
+        _half_write(path, part)
+        return path
+
+    monkeypatch.setenv(RESTART_COUNT_ENV, '1')
+    for part in ('data', 'index'):
+        directory = str(tmp_path / part)
+        broken = saved(directory, part)
+        capsys.readouterr()
+        graph, v, train = build()
+        with dist.WorkerSession(cluster, checkpoint_dir=directory, graph=graph,
+                                init_fn=lambda s: pytest.fail('init_fn ran')) as session:
+            assert session.start_step == 4, part
+            assert session.restored_from == os.path.join(directory, 'model.ckpt-4')
+            np.testing.assert_allclose(session.session.run(v), [4.0, 8.0])
+        err = capsys.readouterr().err
+        start = [parse_start_line(line) for line in err.splitlines() if parse_start_line(line)]
+        assert start == [{'step': 4, 'checkpoint': session.restored_from,
+                          'directory': None}], err
+        assert broken.endswith('model.ckpt-6')
+    # Every checkpoint listed is half-written: an error naming each, never a
+    # fresh start in their place.
+    directory = str(tmp_path / 'all')
+    saved(directory, 'data')
+    for step in (2, 4):
+        _half_write(os.path.join(directory, 'model.ckpt-%d' % step), 'index')
+    graph, v, train = build()
+    with pytest.raises(RuntimeError, match='none of the checkpoints') as error:
+        dist.WorkerSession(cluster, checkpoint_dir=directory, graph=graph)
+    for step in (2, 4, 6):
+        assert 'model.ckpt-%d (' % step in str(error.value)
+
+
 def test_worker_session_single_worker_errors_are_tensorflows(no_tf_config):
     cluster = dist.setup_cluster(towers=1)
     graph = tf.Graph()

@@ -98,6 +98,121 @@ def two_workers(tmp_path_factory):
     return dict(metrics(out), stdout=proc.stdout, text=text)
 
 
+#: Where the test SIGKILLs a worker of the restarting job: when the chief prints
+#: this progress line (after the checkpoint of step 10, so that the steps
+#: after it are trained twice), the worker with this task index.
+KILLS = (('sync      step 15/%d' % STEPS, 1), ('per_tower step 15/%d' % STEPS, 0))
+
+
+@pytest.fixture(scope='module')
+def killed_twice(tmp_path_factory):
+    """2 workers x 2 towers with --max-restarts 2; two workers SIGKILLed (KILLS)."""
+    import re
+    import signal
+    out = str(tmp_path_factory.mktemp('killed_twice'))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]))
+    proc = subprocess.Popen([sys.executable, DEMO, '--workers', '2', '--towers', '2',
+                             '--max-restarts', '2', '--out-dir', out] + COMMON +
+                            tf_behavior.flag(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    lines, pids, kills, all_pids = [], {}, list(KILLS), []
+    for line in proc.stdout:
+        lines.append(line.rstrip('\n'))
+        started = re.match(r'\[launcher\] worker (\d): pid (\d+)', line)
+        if started:
+            pids[int(started.group(1))] = int(started.group(2))
+            all_pids.append(int(started.group(2)))
+        if kills and line.startswith('[worker 0] ' + kills[0][0]):
+            os.kill(pids[kills.pop(0)[1]], signal.SIGKILL)
+    status = proc.wait(timeout=60)
+    text = '\n'.join(lines)
+    assert status == 0 and not kills, text[-6000:]
+    return dict(metrics(out), lines=lines, text=text, out=out, pids=all_pids)
+
+
+class _Supervisor(object):
+    """Plays an outside supervisor (a Kubernetes restartPolicy, a node agent) for each worker.
+
+    Worker 0 runs the demo with ``--hosts ... --task 0``, worker 1 with
+    ``TF_CONFIG``, always on the same two addresses, both with
+    ``--auto-resume``. A worker that fails (a non-zero status, a signal) is
+    started again, up to ``max_restarts`` times: at once, or, when it was
+    killed by a signal, ``late`` seconds later, as a node that takes longer to
+    come back. ``kill`` = (marker, worker): SIGKILL that worker, once, when
+    the chief prints a line starting with marker.
+    """
+
+    def __init__(self, out, kill, max_restarts=1, late=5.0):
+        import threading
+        from tf1_syncbn.launch import free_ports, tf_config
+        addresses = ['localhost:%d' % p for p in free_ports(2)]
+        argv = [sys.executable, DEMO, '--towers', '2', '--out-dir', out,
+                '--auto-resume'] + COMMON + tf_behavior.flag()
+        self.argv = [argv + ['--hosts', ','.join(addresses), '--task', '0'], argv]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT,
+                                                           os.environ.get('PYTHONPATH', '')]))
+        self.envs = [env, dict(env, TF_CONFIG=tf_config(addresses, 1))]
+        self.kill, self.max_restarts, self.late = kill, max_restarts, late
+        self.starts = [[], []]        # per worker, the time of each start
+        self.lines = [[], []]         # per worker, per attempt, its lines
+        self.codes = [[], []]
+        self.procs = [None, None]
+        self._lock = threading.Lock()
+
+    def _run(self, rank, deadline):
+        import signal
+        import time
+        for attempt in range(self.max_restarts + 1):
+            lines = []
+            with self._lock:
+                self.starts[rank].append(time.time())
+                self.lines[rank].append(lines)
+                self.procs[rank] = subprocess.Popen(
+                    self.argv[rank], env=self.envs[rank], text=True, cwd=ROOT,
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                proc = self.procs[rank]
+            for line in proc.stdout:
+                lines.append(line.rstrip('\n'))
+                if rank == 0 and self.kill and line.startswith(self.kill[0]):
+                    with self._lock:
+                        os.kill(self.procs[self.kill[1]].pid, signal.SIGKILL)
+                        self.kill = None
+            self.codes[rank].append(proc.wait())
+            if self.codes[rank][-1] == 0 or time.time() > deadline:
+                return
+            if self.codes[rank][-1] < 0:
+                time.sleep(self.late)
+
+    def run(self, timeout):
+        import signal
+        import threading
+        import time
+        deadline = time.time() + timeout
+        threads = [threading.Thread(target=self._run, args=(rank, deadline), daemon=True)
+                   for rank in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(1.0, deadline - time.time()))
+        for proc in self.procs:
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        return self
+
+    def text(self):
+        return '\n'.join('[worker %d, start %d] %s' % (rank, a, line)
+                         for rank in range(2) for a, lines in enumerate(self.lines[rank])
+                         for line in lines)[-8000:]
+
+
+@pytest.fixture(scope='module')
+def supervised(tmp_path_factory):
+    """The chief, under its supervisor, SIGKILLed after the sync run's step 15."""
+    out = str(tmp_path_factory.mktemp('supervised'))
+    supervisor = _Supervisor(out, kill=(KILLS[0][0], 0)).run(timeout=400)
+    return dict(supervisor=supervisor, out=out)
+
+
 def test_batches_follow_the_step():
     n, batch = 10, 4
     steps = [demo.batch_indices(s, batch, n, seed=3) for s in range(5)]
@@ -256,3 +371,109 @@ def test_resume_after_a_crash_continues_as_the_uninterrupted_run(one_worker, tmp
                                        rtol=1e-6, err_msg='%s %s' % (name, key))
         assert resumed['runs'][name]['held_out_accuracy'] == \
             one_worker['runs'][name]['held_out_accuracy']
+
+
+@pytest.mark.once(reason=ONCE)
+@pytest.mark.timeout(600)
+def test_a_job_killed_twice_restarts_and_equals_the_uninterrupted_run(two_workers,
+                                                                     killed_twice):
+    from test_multi_worker_launch import wait_gone
+    killed, out = killed_twice, killed_twice['out']
+    # Every step's loss and accuracy, the held-out curve and the final
+    # accuracy are the uninterrupted run's, bit for bit, for both runs, though
+    # steps 11 to 15 or so of each were trained twice (killed after the
+    # progress line of step 15, resumed from the checkpoint of step 10).
+    for name in ('sync', 'per_tower'):
+        for key in ('loss', 'accuracy', 'eval_step', 'eval_accuracy', 'held_out_accuracy'):
+            np.testing.assert_array_equal(killed['runs'][name][key], two_workers['runs'][name][key],
+                                          err_msg='%s %s' % (name, key))
+    assert killed['runs']['sync']['resumed_at'] == [10, STEPS]
+    assert killed['runs']['per_tower']['resumed_at'] == [10]
+    assert killed['restart_count'] == 2
+    # metrics.json records each restart: the worker, its exit cause, and where
+    # the chief resumed each run; the launcher logged the same.
+    sync, per_tower = (os.path.join(out, name, 'model.ckpt-%d') for name in ('sync', 'per_tower'))
+    restarts = killed['restarts']
+    assert [(r['restart'], r['worker'], r['cause'], r['exit_status']) for r in restarts] == [
+        (1, 1, 'killed by SIGKILL', 137), (2, 0, 'killed by SIGKILL', 137)]
+    assert [[(s['step'], s['checkpoint']) for s in r['resumed']] for r in restarts] == [
+        [(10, sync % 10), (0, None)], [(STEPS, sync % STEPS), (10, per_tower % 10)]]
+    for line in ('[launcher] restart 1 of 2: worker 1 killed by SIGKILL; every worker is stopped',
+                 '[launcher] restart 1: worker 0 resumed at step 10 from %s' % (sync % 10),
+                 '[launcher] restart 1: worker 0 started at step 0 (no checkpoint in %s)'
+                 % os.path.join(out, 'per_tower'),
+                 '[launcher] restart 2 of 2: worker 0 killed by SIGKILL; every worker is stopped',
+                 '[launcher] restart 2: worker 0 resumed at step 10 from %s' % (per_tower % 10)):
+        assert any(l.startswith(line) for l in killed['lines']), (line, killed['text'][-6000:])
+    assert 'PASS: SyncBN held-out accuracy' in killed['text'].split('Restart 2:')[-1]
+    assert len(killed['pids']) == 6 and wait_gone(killed['pids']) == []
+
+
+def _checkpoint_state(run_dir, steps, saved):
+    """A ``checkpoint`` state file listing ``steps``; index files for those in ``saved``."""
+    os.makedirs(run_dir, exist_ok=True)
+    names = ['model.ckpt-%d' % s for s in steps]
+    with open(os.path.join(run_dir, 'checkpoint'), 'w') as f:
+        f.write('model_checkpoint_path: "%s"\n' % names[-1])
+        f.writelines('all_model_checkpoint_paths: "%s"\n' % n for n in names)
+    for s in saved:
+        write(os.path.join(run_dir, 'model.ckpt-%d.index' % s), '')
+
+
+@pytest.mark.once(reason='command-line logic, before any graph is built')
+def test_auto_resume_resumes_when_a_checkpoint_is_there_else_starts_afresh(tmp_path,
+                                                                         monkeypatch):
+    from tf1_syncbn.restarts import RESTART_COUNT_ENV
+    monkeypatch.delenv(RESTART_COUNT_ENV, raising=False)
+    out = str(tmp_path / 'out')
+    argv = COMMON + ['--out-dir', out]
+    args = demo.parse_args(argv + ['--auto-resume'])
+    assert demo.apply_auto_resume(args) == '--overwrite' and args.overwrite and not args.resume
+    # What an interrupted first start leaves (no checkpoint yet) is replaced,
+    # not refused as an earlier run.
+    write(os.path.join(out, 'sync', 'history.json'), '{}')
+    write(os.path.join(out, 'initial_weights.npz'), '')
+    assert demo.refusal(demo.parse_args(argv)) is not None
+    args = demo.parse_args(argv + ['--auto-resume'])
+    assert demo.apply_auto_resume(args) == '--overwrite'
+    assert demo.refusal(args) is None and demo.resume_problem(args) is None
+    # A checkpoint whose newest entry is half-written (no index): --resume
+    # from the older one, which is what the run has trained.
+    _checkpoint_state(os.path.join(out, 'per_tower'), [10, 20], saved=[10])
+    args = demo.parse_args(argv + ['--auto-resume'])
+    assert demo.apply_auto_resume(args) == '--resume' and args.resume and not args.overwrite
+    assert demo.resume_problem(args) is None
+    assert demo.resume_problem(demo.parse_args(argv + ['--resume', '--steps', '5'])).startswith(
+        '--resume: the run in %s has trained 10 steps already' % out)
+    # Without the option: only a worker restarted by --max-restarts does it.
+    assert demo.apply_auto_resume(demo.parse_args(argv)) is None
+    monkeypatch.setenv(RESTART_COUNT_ENV, '0')
+    assert demo.apply_auto_resume(demo.parse_args(argv)) is None
+    monkeypatch.setenv(RESTART_COUNT_ENV, '1')
+    args = demo.parse_args(argv)
+    assert demo.apply_auto_resume(args) == '--resume' and args.resume
+
+
+@pytest.mark.once(reason=ONCE)
+@pytest.mark.timeout(600)
+def test_workers_restarted_by_a_supervisor_rejoin_and_equal_the_uninterrupted_run(
+        two_workers, supervised):
+    supervisor, out = supervised['supervisor'], supervised['out']
+    text = supervisor.text()
+    # The chief was killed; worker 1 lost it (status 1); both came back and
+    # finished. The chief came back 5 s after worker 1, which waited for it
+    # (its group leader) at the start-up rendezvous.
+    assert supervisor.codes == [[-9, 0], [1, 0]], text
+    assert supervisor.starts[0][1] - supervisor.starts[1][1] > 4, text
+    assert 'FAIL: worker 1 (localhost:' in '\n'.join(supervisor.lines[1][0]), text
+    assert '--auto-resume: --resume (a checkpoint in %s)' % out in supervisor.lines[0][1], text
+    assert 'sync      resumed at step 10 from %s' % os.path.join(out, 'sync', 'model.ckpt-10') \
+        in supervisor.lines[0][1], text
+    resumed = metrics(out)
+    for name in ('sync', 'per_tower'):
+        for key in ('loss', 'accuracy', 'eval_step', 'eval_accuracy', 'held_out_accuracy'):
+            np.testing.assert_array_equal(resumed['runs'][name][key],
+                                          two_workers['runs'][name][key],
+                                          err_msg='%s %s' % (name, key))
+    assert resumed['runs']['sync']['resumed_at'] == [10]
+    assert resumed['runs']['per_tower']['resumed_at'] == []

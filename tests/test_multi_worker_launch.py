@@ -208,3 +208,111 @@ def test_gpus_per_worker_must_be_a_positive_int():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match='gpus_per_worker must be a positive int'):
             Launcher(['x'], 2, gpus_per_worker=bad)
+
+
+# --max-restarts. Worker 1 fails in attempts 0 .. FAILS-1 (SIGKILL in even
+# attempts, status 3 after printing 'boom' in odd ones); worker 0 prints the
+# start line of a chief that resumed at step 10 * attempt, its TF_CONFIG and
+# restart variables, then waits to be stopped; in attempt FAILS both exit 0.
+RESTARTING = r'''
+import json, os, signal, sys, time
+task = json.loads(os.environ['TF_CONFIG'])['task']['index']
+attempt = int(os.environ['TF1_SYNCBN_RESTART_COUNT'])
+print('task %d pid %d attempt %d of %s config %s' % (
+    task, os.getpid(), attempt, os.environ['TF1_SYNCBN_MAX_RESTARTS'], os.environ['TF_CONFIG']),
+    flush=True)
+if task == 0:
+    sys.stderr.write('tf1_syncbn: worker 0 (x:1) resumed at step %d from /c/model.ckpt-%d\n'
+                     % (10 * attempt, 10 * attempt))
+    sys.stderr.flush()
+if attempt == int(sys.argv[1]):
+    sys.exit(0)
+if task == 1:
+    time.sleep(0.2)
+    if attempt % 2 == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    print('boom', flush=True)
+    sys.exit(3)
+time.sleep(300)
+'''
+
+
+def test_max_restarts_restarts_every_worker_until_the_job_succeeds():
+    from tf1_syncbn.restarts import Restart
+    restarts, out = [], _Lines()
+    status = launch([sys.executable, '-c', RESTARTING, '2'], 2, timeout=60, max_restarts=3,
+                    restarts=restarts, output=out, grace=0.2, kill_after=1.0)
+    text = '\n'.join(out.lines)
+    assert status == 0, text
+    # Every worker ran 3 times, with its attempt in its environment; each
+    # attempt had new ports, and no process of a failed attempt is left.
+    starts = [l.split('] ', 1)[1].split() for l in out.lines if '] task ' in l]
+    assert sorted((int(s[1]), int(s[5])) for s in starts) == [(0, 0), (0, 1), (0, 2), (1, 0),
+                                                              (1, 1), (1, 2)], text
+    assert all(s[7] == '3' for s in starts)
+    assert len({' '.join(s[9:]) for s in starts if s[1] == '0'}) == 3, text
+    assert wait_gone([int(s[3]) for s in starts]) == []
+    # Each restart: the worker, its exit cause, the step the chief resumed at.
+    assert [type(r) for r in restarts] == [Restart, Restart]
+    assert [r.to_dict() for r in restarts] == [
+        {'restart': 1, 'worker': 1, 'cause': 'killed by SIGKILL', 'exit_status': 137,
+         'last_line': restarts[0].last_line,
+         'resumed': [{'step': 10, 'checkpoint': '/c/model.ckpt-10', 'directory': None}]},
+        {'restart': 2, 'worker': 1, 'cause': 'exited with status 3', 'exit_status': 3,
+         'last_line': 'boom',
+         'resumed': [{'step': 20, 'checkpoint': '/c/model.ckpt-20', 'directory': None}]}]
+    for line in ('[launcher] restart 1 of 3: worker 1 killed by SIGKILL; every worker is '
+                 'stopped and starts again',
+                 '[launcher] restart 1: worker 0 resumed at step 10 from /c/model.ckpt-10',
+                 "[launcher] restart 2 of 3: worker 1 exited with status 3 (its last line: "
+                 "'boom')",
+                 '[launcher] restart 2: worker 0 resumed at step 20 from /c/model.ckpt-20'):
+        assert any(l.startswith(line) for l in out.lines), (line, text)
+
+
+class _Lines(object):
+    """A launcher's ``output`` that keeps its lines."""
+
+    def __init__(self):
+        self.lines = []
+
+    def write(self, text):
+        self.lines += text.splitlines()
+
+    def flush(self):
+        pass
+
+
+def test_a_job_that_keeps_dying_fails_after_max_restarts_naming_each_cause():
+    proc = subprocess.run([sys.executable, LAUNCH, '--workers', '2', '--grace', '0.2',
+                           '--kill-after', '1', '--max-restarts', '2', '--',
+                           sys.executable, '-c', RESTARTING, '99'],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stdout + proc.stderr
+    assert proc.stdout.count('] task 1 ') == 3, proc.stdout
+    error = [l for l in proc.stdout.splitlines() if l.startswith('[launcher] error:')]
+    assert error == [
+        "[launcher] error: the job failed 3 times, and --max-restarts is 2: restart 1 after "
+        "worker 1 killed by SIGKILL (the chief resumed at step 10 from /c/model.ckpt-10); "
+        "restart 2 after worker 1 exited with status 3 (its last line: 'boom') (the chief "
+        "resumed at step 20 from /c/model.ckpt-20); then worker 1 killed by SIGKILL."], \
+        proc.stdout
+
+
+def test_a_stopped_job_is_never_restarted(tmp_path):
+    # SIGTERM to the launcher, and the job's timeout: no restart.
+    proc = subprocess.Popen([sys.executable, LAUNCH, '--workers', '2', '--kill-after', '1',
+                             '--max-restarts', '5', '--', sys.executable, '-c', WORKER, '-1'],
+                            stdout=subprocess.PIPE, text=True)
+    lines = []
+    while len([l for l in lines if l.startswith('[worker')]) < 2:
+        lines.append(proc.stdout.readline())
+        assert lines[-1], ''.join(lines)        # the launcher ended before its workers spoke
+    proc.send_signal(signal.SIGTERM)
+    out = ''.join(lines) + proc.stdout.read()
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM, out
+    assert '[launcher] restart' not in out and out.count('[launcher] worker 0: pid') == 1, out
+    out = _Lines()
+    assert launch([sys.executable, '-c', WORKER, '-1'], 2, timeout=1, max_restarts=5,
+                  output=out, kill_after=1) == 124
+    assert not [l for l in out.lines if 'restart' in l], out.lines

@@ -327,3 +327,39 @@ def test_a_start_up_that_tensorflow_blocks_ends_by_the_watchdog(startup_failures
     elapsed, line = _elapsed_until(launcher, 'session start-up still blocked')
     assert HANG_TIMEOUT - 0.5 < elapsed < HANG_TIMEOUT + 5, output(launcher)
     assert_no_process_left(launcher)
+
+
+@pytest.fixture(scope='module')
+def stale_leader():
+    """Worker 1 killed, and restarted at once while the chief still runs the first start.
+
+    The chief pauses between steps 1 and 2 (as a long save would), so it
+    has not noticed the loss when the restarted worker 1 reaches it (an
+    outside supervisor that restarts a worker at once).
+    """
+    first = Launcher(job_argv('--steps', STEPS, '--pause', 60, '--pause-after', 1), 2,
+                     env=job_env(), output=None, grace=1, kill_after=1).start()
+    deadline = time.time() + 180
+    while not any('pausing' in line for line in list(first.lines[0])):
+        assert time.time() < deadline and first.procs[0].poll() is None, output(first)
+        time.sleep(0.05)
+    os.kill(first.pids[1], signal.SIGKILL)
+    restarted = Launcher(job_argv('--steps', STEPS), 2, env=job_env(), output=None,
+                         addresses=first.addresses, tasks=[1]).start()
+    status = restarted.wait(timeout=120)
+    chief_alive = first.procs[0].poll() is None
+    first.request_stop(('the test ends it', 0))
+    first.wait(timeout=30)
+    return dict(launcher=restarted, status=status, chief_alive=chief_alive)
+
+
+@pytest.mark.once(reason=ONCE)
+def test_a_restarted_worker_that_meets_the_previous_chief_fails_naming_it(stale_leader):
+    launcher = stale_leader['launcher']
+    text = output(launcher)
+    assert stale_leader['chief_alive'] and stale_leader['status'] == 1, text
+    elapsed, line = _elapsed_until(launcher, 'ERROR')
+    assert ('worker 0 (%s) still runs the previous start of the job' % launcher.addresses[0]
+            in line), text
+    assert elapsed < 30, text
+    assert_no_process_left(launcher)

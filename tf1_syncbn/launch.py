@@ -29,6 +29,19 @@ status is 0 when every worker exited with 0, else the first failure's status
 (128 + signal number for a signal; 124 when ``--timeout`` seconds, which
 bound the whole job, expired). ``--gpus-per-worker K`` is described above.
 
+With ``--max-restarts N`` (default 0), a failed worker makes the launcher
+stop the others as above and then start every worker again, up to ``N``
+times (:mod:`tf1_syncbn.restarts`): each worker's environment then also has
+``TF1_SYNCBN_RESTART_COUNT`` (0 at the first start, ``k`` at the ``k``-th
+restart) and ``TF1_SYNCBN_MAX_RESTARTS``, and workers started on free ports
+get new ones. The restarted workers resume from the chief's latest complete
+checkpoint (:class:`tf1_syncbn.distributed.WorkerSession`). The launcher
+logs each restart (the worker, its exit cause, and the step and checkpoint
+the chief resumed from); once the job has failed ``N + 1`` times it stops
+with an error naming every restart's cause, and the last failure's status.
+A stop (a signal to the launcher, ``--timeout``) is never followed by a
+restart. See docs/restarts.md.
+
 This module imports nothing from TensorFlow; ``python path/to/launch.py``
 works without importing the package.
 """
@@ -43,6 +56,11 @@ import subprocess
 import sys
 import threading
 import time
+
+if __package__:
+    from tf1_syncbn.restarts import RestartLoop, describe_exit, exit_status, restart_env
+else:   # python path/to/launch.py: the module next to this file, without the package
+    from restarts import RestartLoop, describe_exit, exit_status, restart_env
 
 __all__ = ['Launcher', 'launch', 'free_ports', 'tf_config', 'gpu_assignment', 'main']
 
@@ -104,20 +122,6 @@ def gpu_assignment(num_workers, gpus_per_worker, visible=None):
     return [','.join(ids[i * k:(i + 1) * k]) for i in range(num_workers)]
 
 
-def _status(code):
-    """Exit status of a ``Popen.returncode``: signals become 128 + signal number."""
-    return 128 - code if code < 0 else code
-
-
-def _describe(code):
-    if code < 0:
-        try:
-            return 'killed by %s' % signal.Signals(-code).name
-        except ValueError:
-            return 'killed by signal %d' % -code
-    return 'exited with status %d' % code
-
-
 def _die_with_parent(parent):
     """preexec_fn: SIGKILL this child when the launcher dies (Linux)."""
     def set_pdeathsig():
@@ -151,6 +155,8 @@ class Launcher(object):
         ``CUDA_VISIBLE_DEVICES`` from :func:`gpu_assignment` (GPUs ``i*K`` to
         ``i*K+K-1``, or that slice of the base environment's own
         ``CUDA_VISIBLE_DEVICES``).
+      on_line: None, or ``on_line(worker, line)``, called (from a reader
+        thread) for each line a worker prints.
 
     Attributes:
       lines: per worker, every line it printed (stdout and stderr together).
@@ -158,11 +164,13 @@ class Launcher(object):
       exit_codes: per started worker (in the order of ``tasks``), its
         ``returncode`` once it exited.
       failed: ``(worker, returncode)`` of the first failure, or None.
+      stopped: ``(reason, exit status)`` when :meth:`wait` stopped the workers
+        (:meth:`request_stop`, or its timeout), else None.
     """
 
     def __init__(self, argv, num_workers, env=None, cwd=None, grace=DEFAULT_GRACE,
                  kill_after=DEFAULT_KILL_AFTER, output=sys.stdout, addresses=None, tasks=None,
-                 gpus_per_worker=None):
+                 gpus_per_worker=None, on_line=None):
         if isinstance(argv, str) or not argv:
             raise ValueError('Launcher: argv must be a non-empty list of strings, got %r.'
                              % (argv,))
@@ -194,6 +202,8 @@ class Launcher(object):
         self.times = [[] for _ in range(num_workers)]
         self.exit_codes = [None] * len(self.tasks)
         self.failed = None
+        self.stopped = None
+        self.on_line = on_line
         self._lock = threading.Lock()
         self._readers = []
         self._stop_reason = None
@@ -238,6 +248,8 @@ class Launcher(object):
             self.times[i].append(time.time())
             self.lines[i].append(line)
             self._emit('[worker %d] %s' % (i, line))
+            if self.on_line is not None:
+                self.on_line(i, line)
         proc.stdout.close()
 
     def request_stop(self, reason):
@@ -254,7 +266,7 @@ class Launcher(object):
                     self.failed = (i, code)
                     others = [j for j, c in enumerate(self.exit_codes) if c is None]
                     self.say('worker %d %s%s' % (
-                        i, _describe(code),
+                        i, describe_exit(code),
                         '; the others get %g s to exit on their own, then they are stopped'
                         % self.grace if others else ''))
                 elif code == 0:
@@ -308,6 +320,7 @@ class Launcher(object):
                              % (self.grace, self.failed[0]))
                     break
             time.sleep(0.05)
+        self.stopped = stopped
         self.stop()
         # Anything a worker left in its process group (it had its own session).
         self._signal_groups(signal.SIGKILL, only_alive=False)
@@ -316,37 +329,49 @@ class Launcher(object):
         if stopped is not None:
             return stopped[1]
         if self.failed is not None:
-            return _status(self.failed[1]) or 1
+            return exit_status(self.failed[1]) or 1
         return 0
 
 
-def launch(argv, num_workers, timeout=None, **kwargs):
+def launch(argv, num_workers, timeout=None, max_restarts=0, restarts=None, **kwargs):
     """Starts ``num_workers`` workers running ``argv`` and waits for them.
 
     In the main thread, SIGINT/SIGTERM/SIGHUP stop every worker and the
     launcher returns 128 + the signal number.
 
     Args:
-      argv, num_workers, **kwargs: as :class:`Launcher`.
-      timeout: seconds before every worker is stopped (status 124); None waits.
+      argv, num_workers, **kwargs: as :class:`Launcher` (a new one per
+        attempt: without ``addresses``, each attempt gets new free ports).
+      timeout: seconds before every worker is stopped (status 124), every
+        restart included; None waits.
+      max_restarts: how many times every worker is started again after a
+        failure (see the module docstring and :mod:`tf1_syncbn.restarts`).
+      restarts: None, or a list that receives a
+        :class:`~tf1_syncbn.restarts.Restart` per restart.
 
     Returns:
       The exit status (see the module docstring).
     """
-    launcher = Launcher(argv, num_workers, **kwargs)
+    base_env = dict(os.environ if kwargs.get('env') is None else kwargs['env'])
+
+    def start_attempt(attempt, on_line):
+        env = dict(base_env, **restart_env(attempt, max_restarts)) if max_restarts else base_env
+        return Launcher(argv, num_workers, on_line=on_line, **dict(kwargs, env=env)).start()
+
+    job = RestartLoop(start_attempt, max_restarts, timeout=timeout)
     handlers = {}
     if threading.current_thread() is threading.main_thread():
         def on_signal(signum, frame):
             del frame
-            launcher.request_stop(('received %s' % signal.Signals(signum).name, 128 + signum))
+            job.request_stop(('received %s' % signal.Signals(signum).name, 128 + signum))
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             handlers[sig] = signal.signal(sig, on_signal)
     try:
-        launcher.start()
-        return launcher.wait(timeout)
+        return job.run()
     finally:
-        if launcher.procs:
-            launcher.stop()
+        job.stop()
+        if restarts is not None:
+            restarts.extend(job.restarts)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
 
@@ -361,7 +386,12 @@ def main(argv=None):
                         help='seconds the others get to exit on their own after one fails')
     parser.add_argument('--kill-after', type=float, default=DEFAULT_KILL_AFTER,
                         help='seconds between SIGTERM and SIGKILL')
-    parser.add_argument('--timeout', type=float, help='stop every worker after this many s')
+    parser.add_argument('--timeout', type=float,
+                        help='stop every worker after this many s (restarts included)')
+    parser.add_argument('--max-restarts', type=int, default=0, metavar='N',
+                        help='when a worker fails, stop the others and start every worker '
+                             'again, up to N times (they resume from the chief\'s latest '
+                             'checkpoint)')
     parser.add_argument('--gpus-per-worker', type=int, metavar='K',
                         help='give worker i the GPUs i*K..i*K+K-1 (CUDA_VISIBLE_DEVICES; a '
                              'slice of the launcher\'s own CUDA_VISIBLE_DEVICES when set)')
@@ -373,6 +403,8 @@ def main(argv=None):
         parser.error('give the worker command after --')
     if args.workers < 1:
         parser.error('--workers must be at least 1')
+    if args.max_restarts < 0:
+        parser.error('--max-restarts must be at least 0')
     if args.gpus_per_worker is not None:
         try:
             gpu_assignment(args.workers, args.gpus_per_worker,
@@ -380,7 +412,8 @@ def main(argv=None):
         except ValueError as e:
             parser.error(str(e).replace('Launcher: ', '').replace('gpus_per_worker',
                                                                  '--gpus-per-worker'))
-    return launch(command, args.workers, timeout=args.timeout, grace=args.grace,
+    return launch(command, args.workers, timeout=args.timeout, max_restarts=args.max_restarts,
+                  grace=args.grace,
                   kill_after=args.kill_after, gpus_per_worker=args.gpus_per_worker)
 
 

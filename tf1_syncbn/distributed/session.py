@@ -13,6 +13,7 @@ from tf1_syncbn.distributed.collectives import broadcast_variables
 from tf1_syncbn.distributed.errors import (EXIT_STARTUP_HANG, PeerMissingError,
                                            WorkerLostError, hard_exit)
 from tf1_syncbn.distributed.peers import unreachable_peers, wait_for_peers
+from tf1_syncbn.restarts import RESTART_COUNT_ENV, start_line
 
 tf1 = tf.compat.v1
 log = logging.getLogger('tf1_syncbn.distributed')
@@ -100,9 +101,14 @@ class WorkerSession(object):
        (:func:`wait_for_peers`; :class:`PeerMissingError` after
        ``cluster.startup_timeout`` seconds, naming the missing workers);
     3. creates the session on ``cluster.target`` and runs the initializer;
-    4. on the chief only, restores the latest checkpoint in
+    4. on the chief only, restores the latest complete checkpoint in
        ``checkpoint_dir`` when there is one (and ``restore`` is True), or else
-       calls ``init_fn(session)`` when given;
+       calls ``init_fn(session)`` when given. The candidates are the
+       checkpoints the directory's ``checkpoint`` state file lists, newest
+       first: one whose files are missing or do not restore (half-written:
+       the state file was written, the files not all of them) is skipped
+       with a warning; when none of them restores, this raises
+       ``RuntimeError`` naming each (it never starts afresh in their place);
     5. runs the broadcast on every worker: every variable, the global step
        and optimizer slots included, becomes the chief's. So only the chief
        needs the checkpoint directory (no shared file system), and no worker
@@ -118,6 +124,10 @@ class WorkerSession(object):
 
     :attr:`start_step` is the global step after start-up (the restored step,
     or 0): a job that feeds data by step resumes exactly where it stopped.
+    Under ``python -m tf1_syncbn.launch --max-restarts N`` (which sets
+    ``TF1_SYNCBN_RESTART_COUNT``), the chief prints to stderr the step and
+    checkpoint it starts from (:func:`tf1_syncbn.restarts.start_line`), which
+    the launcher logs for each restart.
 
     Args:
       cluster: the :class:`Cluster` (one worker works too: no server).
@@ -147,7 +157,10 @@ class WorkerSession(object):
     Raises:
       ValueError: ``hang_timeout`` or ``restore_timeout`` not a finite number
         of seconds.
-      PeerMissingError: see steps 2 and 5.
+      PeerMissingError: see steps 2 and 5; also when this worker was
+        restarted and the chief still runs the job's previous start.
+      RuntimeError: ``checkpoint_dir`` lists checkpoints, none of which
+        restores (step 4).
 
     Hangs: never; every start-up wait is bounded as above: at most
     ``startup_timeout`` (step 2), then ``hang_timeout + restore_timeout``
@@ -224,14 +237,9 @@ class WorkerSession(object):
             self._session.run(self._init_op)
             if cluster.is_chief:
                 restore_started = time.time()
-                latest = None
                 if self._restore and self.checkpoint_dir and self._saver is not None:
-                    latest = tf1.train.latest_checkpoint(self.checkpoint_dir)
-                if latest:
-                    self._saver.restore(self._session, latest)
-                    self.restored_from = latest
-                    log.info('%s restored %s', me, latest)
-                elif self._init_fn is not None:
+                    self.restored_from = self._restore_complete(me)
+                if self.restored_from is None and self._init_fn is not None:
                     self._init_fn(self._session)
                 restore_seconds = time.time() - restore_started
             try:
@@ -258,9 +266,49 @@ class WorkerSession(object):
                     % (me, within, _summarize(e),
                        'not answering now: ' + ', '.join(missing) if missing else
                        'every peer accepts connections'), missing) from None
+            except tf.errors.FailedPreconditionError as e:
+                if cluster.num_workers == 1 or 'incarnation' not in str(e):
+                    raise
+                # This worker restarted, and the group leader still runs the job's
+                # previous start (it has not noticed the failure yet).
+                leader = cluster.describe(0)
+                raise PeerMissingError(
+                    '%s: %s still runs the previous start of the job: its collective group '
+                    'holds this worker as it was before it restarted. It fails within its '
+                    'collective timeout, and must restart too; this worker exits so that its '
+                    'own restart meets the new one.' % (me, leader), [leader]) from None
         finally:
             self._watchdog.disarm()
         self.start_step = self.global_step() or 0
+        if cluster.is_chief and RESTART_COUNT_ENV in os.environ:
+            sys.stderr.write(start_line(me, self.start_step, self.restored_from,
+                                        self.checkpoint_dir) + '\n')
+            sys.stderr.flush()
+
+    def _restore_complete(self, me):
+        """Restores the newest checkpoint of ``checkpoint_dir`` that restores; its path or None."""
+        state = tf1.train.get_checkpoint_state(self.checkpoint_dir)
+        if state is None or not state.model_checkpoint_path:
+            return None
+        candidates = [state.model_checkpoint_path]
+        candidates += [p for p in reversed(state.all_model_checkpoint_paths)
+                       if p not in candidates]
+        skipped = []
+        for path in candidates:
+            try:
+                self._saver.restore(self._session, path)
+            except (ValueError, tf.errors.OpError) as e:    # files missing, or half-written
+                skipped.append('%s (%s)' % (path, _summarize(e)))
+                continue
+            if skipped:
+                log.warning('%s: skipped incomplete checkpoints: %s; restored %s instead', me,
+                            '; '.join(skipped), path)
+            log.info('%s restored %s', me, path)
+            return path
+        raise RuntimeError(
+            '%s: none of the checkpoints that %s lists restores: %s. Restore a complete '
+            'checkpoint there, or remove its "checkpoint" file to start afresh.'
+            % (me, os.path.join(self.checkpoint_dir, 'checkpoint'), '; '.join(skipped)))
 
     @property
     def session(self):
