@@ -99,7 +99,7 @@ def batch_norm(x, layout, options, params, batch_weights=None,
             for op in updates:
                 tf1.add_to_collections(updates_collections, op)
     _updates.share_updates(group, updates, update_moving and training is not False,
-                           updates_collections)
+                           updates_collections, y)
     y.set_shape(x.shape)
     # What tf1_syncbn.export needs to replace this call by an inference op (no op built).
     _inference_records.record(x, y, layout, options, params)
