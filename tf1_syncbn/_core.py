@@ -25,7 +25,7 @@ conversion to another).
 import tensorflow as tf
 
 from tf1_syncbn import _inference_records, _normalize, _updates
-from tf1_syncbn._group import find_group
+from tf1_syncbn._group import check_untowered_copies, find_group
 from tf1_syncbn._options import check_batch_weights
 from tf1_syncbn._plan import plan_sync
 from tf1_syncbn._variables import read
@@ -100,6 +100,7 @@ def batch_norm(x, layout, options, params, batch_weights=None,
                 tf1.add_to_collections(updates_collections, op)
     _updates.share_updates(group, updates, update_moving and training is not False,
                            updates_collections, y)
+    check_untowered_copies(options, group, params.moving_mean, y)
     y.set_shape(x.shape)
     # What tf1_syncbn.export needs to replace this call by an inference op (no op built).
     _inference_records.record(x, y, layout, options, params)
