@@ -9,6 +9,8 @@ Each builder returns ``(graph, step)``: the graph and what one training step
 runs (the train op, or a list of ops).
 """
 
+import contextlib
+
 import tensorflow as tf
 import tf_slim as slim
 
@@ -83,6 +85,33 @@ def classic_towers(bn, towers=2, keep='last', bn_params=None, net=small_net):
                 tf1.get_variable_scope().reuse_variables()
                 tower_grads.append(opt.compute_gradients(loss))
         with tf.control_dependencies(_keep(keep, towers, 'tower_%d')):
+            train_op = opt.apply_gradients(average_gradients(tower_grads))
+    return graph, train_op
+
+
+def device_loop(bn, towers=2, scope=None, bn_params=None, net=small_net):
+    """A hand-written loop without tower scopes: ``tf.device`` per copy, variables reused.
+
+    ``for i: with tf.device('/cpu:%d' % i), tf.variable_scope('', reuse=i > 0):``
+    or, with ``scope`` (``'gpu_%d'``), a name scope that no tower convention
+    knows. Every tower's ``UPDATE_OPS`` run with the train op.
+    """
+    graph = tf.Graph()
+    with graph.as_default():
+        images, labels = _inputs(towers)
+        opt = tf1.train.GradientDescentOptimizer(0.1)
+        tower_grads, params = [], _params(bn_params)
+        for i in range(towers):
+            with tf.device('/cpu:%d' % i), contextlib.ExitStack() as scopes:
+                if scope is None:
+                    scopes.enter_context(tf1.variable_scope('', reuse=i > 0))
+                else:
+                    scopes.enter_context(tf1.name_scope(scope % i))
+                    scopes.enter_context(tf1.variable_scope(tf1.get_variable_scope(),
+                                                            reuse=i > 0))
+                tower_grads.append(opt.compute_gradients(
+                    _loss(net(images[i], bn, params), labels[i])))
+        with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
             train_op = opt.apply_gradients(average_gradients(tower_grads))
     return graph, train_op
 

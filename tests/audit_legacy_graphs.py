@@ -137,6 +137,10 @@ CASES = {
     'slim_tower_not_fused': lambda: audit_cases.classic_towers(
         slim.batch_norm, bn_params={'fused': False}),
     'slim_clone_first': lambda: audit_cases.model_deploy_clones(slim.batch_norm),
+    # Hand-written device loops without tower scopes: the audit sees the devices.
+    'slim_device_loop': lambda: audit_cases.device_loop(slim.batch_norm),
+    'tf_layers_gpu_scope_loop': lambda: audit_cases.device_loop(
+        lambda x, **_: tf1.layers.batch_normalization(x, training=True), scope='gpu_%d'),
     # clone_fn wraps the net in sync_arg_scope; the net names slim.batch_norm inside it.
     'slim_clone_sync_arg_scope': lambda: audit_cases.model_deploy_clones(
         None, clone_scope=lambda: sync_arg_scope(num_dev=2), net=slim_net_by_name),

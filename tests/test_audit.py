@@ -24,7 +24,7 @@ import tensorflow as tf
 import audit_cases
 import tf_behavior
 from legacy_reference import run_reference
-from tf1_syncbn import audit_graph, backends, sync_batch_norm
+from tf1_syncbn import SyncBNWarning, audit_graph, backends, sync_batch_norm
 from tf1_syncbn import audit as audit_module
 from tower import TowerContext, average_gradients, call_for_each_tower
 
@@ -37,7 +37,8 @@ KINDS = [('per_tower', "normalizes each tower with its own batch's statistics"),
          ('partial', 'but not in'),
          ('group', 'synchronized over a group of'),
          ('not_run', 'do not run when the train op runs'),
-         ('double', 'is assigned by update ops of')]
+         ('double', 'is assigned by update ops of'),
+         ('untowered', 'that no tower name tells apart')]
 
 #: What the audit notes for a layer applied to several inputs in one step.
 SEVERAL_INPUTS = 'applied to 2 inputs in one step'
@@ -149,6 +150,21 @@ def test_one_layer_applied_to_two_inputs_is_a_note_not_a_problem(towers):
         assert entry.collectives_per_step == 2 * 2 * towers   # 2 calls, both ways
 
 
+@pytest.mark.parametrize('scope', [None, 'gpu_%d'])
+def test_an_unnamed_device_loop_is_flagged(scope):
+    """Towers the layer cannot name (it warns): each copy normalizes alone, never clean."""
+    with pytest.warns(SyncBNWarning, match='used in training by copies on 2 devices'):
+        graph, train_op = audit_cases.device_loop(sync_batch_norm, scope=scope)
+    report = audit_graph(graph, train_op)
+    assert kinds(report) == [(n, 'untowered') for n in SMALL_NET], str(report)
+    assert {l.sync_summary() for l in report.layers} == {'no (per device)'}
+    assert report.info == []
+    for problem in report.problems:
+        for advice in ('num_dev=<number of towers>', 'tower.register_tower_pattern',
+                       'tower.TowerContext'):
+            assert advice in problem
+
+
 def test_updates_left_out_of_the_train_op_are_flagged_and_inside_the_layer_are_not():
     graph, train_op = audit_cases.tower_contexts(sync_batch_norm, wire_updates=False)
     assert kinds(audit_graph(graph, train_op)) == [(n, 'not_run') for n in SMALL_NET]
@@ -239,7 +255,9 @@ def test_other_tower_conventions_with_tower_patterns():
                 sync_batch_norm(tf1.placeholder(tf.float32, [None, 3]), scope='bn',
                                 sync_statistics=None)
     report = audit_graph(graph)
-    assert report.ok and layer(report, 'bn').towers == ('',)   # gpu<i> is no tower it knows
+    assert layer(report, 'bn').towers == ('',)                # gpu<i> is no tower it knows,
+    assert kinds(report) == [('bn', 'untowered')]           # but the devices tell the copies
+    assert 'audit with tower_patterns / --tower-pattern' in report.problems[0]
     report = audit_graph(graph, tower_patterns=[r'gpu([0-9]+)'])
     assert kinds(report) == per_tower('bn')
     assert layer(report, 'bn').towers == ('gpu0', 'gpu1')
@@ -315,6 +333,9 @@ LEGACY = {
     'slim_tower_is_training_tensor': per_tower(*SMALL_NET),
     'slim_tower_not_fused': per_tower(*SMALL_NET),
     'slim_clone_first': per_tower(*SMALL_NET),
+    'slim_device_loop': [(n, 'untowered') for n in SMALL_NET],
+    'tf_layers_gpu_scope_loop': [(n, 'untowered') for n in ('conv1/batch_normalization',
+                                                           'conv2/batch_normalization')],
     'slim_clone_sync_arg_scope': [],
     'slim_clone_bound_before_sync_arg_scope': per_tower(*SMALL_NET),
     'tf_layers_single_tower': [],
@@ -365,6 +386,10 @@ def test_plain_and_converted_layers_in_their_harnesses(legacy_graphs, case):
         assert names == ['bn'] and layer(report, 'bn').towers == ('tower0', 'tower1')
         assert layer(report, 'bn').updates == ('in layer' if case.endswith('ours')
                                                else 'train_op')
+    elif case.endswith('loop'):
+        assert all(l.towers == ('',) and l.sync_summary() == 'no (per device)'
+                   for l in report.layers), str(report)
+        assert report.info == [], str(report)
     elif case.startswith('slim'):
         assert names == list(SMALL_NET)
         assert layer(report, 'conv1/BatchNorm').towers == (

@@ -42,6 +42,7 @@ import pytest
 import tensorflow as tf
 
 import getter_case
+import tf_behavior
 from getter_case import LEGACY_CASES, MODES, UNSUPPORTED_CASES, legacy_key, seed_layer, train
 from layers_reference import reference as run_layers_reference
 import tf1_syncbn
@@ -234,3 +235,79 @@ def test_model_variables_are_the_variables_under_the_getter(front_end):
         assert any('moving_mean' in n or 'mean/EMA' in n for n in names), names
         assert all(isinstance(v, tf.Variable) for v in model_variables), model_variables
         tf1.train.Saver(model_variables)
+
+
+def _scaled_statistics_step(front_end, form, training):
+    """One training step under a getter returning ``tf.multiply(scale, variable)`` for the
+    moving statistics, ``scale`` a per-channel variable of the getter's own (``[2, 2, 2]``).
+
+    Args:
+      form: ``'outside'``: ``scale`` is created before, outside the getter;
+        ``'through_getter'``: with the getter it received
+        (``getter(name + '_scale', ...)``), so the getter creates two variables.
+
+    Returns:
+      ``{variable name: value}`` after the step (read in a run of their own).
+    """
+    x = (np.random.RandomState(3).randn(*getter_case.SHAPE) + 0.5).astype(np.float32)
+    channels = getter_case.SHAPE[-1]
+    statistics = getter_case.NAMES[front_end][2:]
+    with tf.Graph().as_default():
+        scales = {}
+        if form == 'outside':
+            with tf1.variable_scope('scales'):
+                for stat in statistics:
+                    scales[stat] = tf1.get_variable(stat.replace('/', '_'), initializer=tf.fill(
+                        [channels], 2.0), trainable=False)
+
+        def getter(getter, name, *args, **kwargs):
+            variable = getter(name, *args, **kwargs)
+            for stat in statistics:
+                if name.endswith('/' + stat):
+                    scale = scales.get(stat)
+                    if scale is None:
+                        scale = getter(name + '_scale', shape=[channels], dtype=tf.float32,
+                                       initializer=tf1.constant_initializer(2.0),
+                                       trainable=False)
+                    return tf.multiply(scale, variable)
+            return variable
+
+        placeholder = tf1.placeholder(tf.float32, [None] + getter_case.SHAPE[1:])
+        feed = {placeholder: x}
+        if training == 'tensor':
+            training = tf1.placeholder(tf.bool, [])
+            feed[training] = True
+        else:
+            training = True
+        with tf1.variable_scope('net', custom_getter=getter):
+            y = ours(front_end, 1)(placeholder, training, None)
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            sess.run([y] + tf1.get_collection(tf1.GraphKeys.UPDATE_OPS), feed)
+            variables = tf1.global_variables()
+            return {v.op.name: value for v, value in zip(variables, sess.run(variables))}, x
+
+
+@pytest.mark.parametrize('front_end,form,training', tf_behavior.pick(
+    [(fe, form, 'true') for fe in FRONT_ENDS for form in ('outside', 'through_getter')] +
+    [('layers', 'through_getter', 'tensor')],
+    [('slim', 'outside', 'true'), ('layers', 'through_getter', 'tensor')]))
+def test_the_update_assigns_the_variable_the_getter_received(front_end, form, training):
+    """Before, the update assigned the first variable met walking back from the getter's
+    value: ``scale`` (corrupted), and the moving statistics stayed at their initial values.
+
+    Reference: numpy float64 on the batch (the fused kernel's Bessel-corrected
+    variance); every ``scale`` keeps its value.
+    """
+    values, x = _scaled_statistics_step(front_end, form, training)
+    mean_name, variance_name = getter_case.NAMES[front_end][2:]
+    flat = x.astype(np.float64).reshape(-1, x.shape[-1])
+    momentum = getter_case.MOMENTUM
+    np.testing.assert_allclose(values['net/bn/' + mean_name], (1 - momentum) * flat.mean(0),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(values['net/bn/' + variance_name],
+                               momentum + (1 - momentum) * flat.var(0, ddof=1), rtol=1e-5)
+    scales = {k: v for k, v in values.items() if k.startswith('scales/') or k.endswith('_scale')}
+    assert len(scales) == 2, sorted(values)
+    for name, value in scales.items():
+        np.testing.assert_array_equal(value, 2.0, err_msg=name)

@@ -15,6 +15,8 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
+import tf_behavior
+
 from tf1_syncbn import CollectiveBackend
 from tf1_syncbn import keras as sync_keras
 from tower import TowerContext
@@ -99,7 +101,11 @@ def test_training_rules_are_tf_keras(version, training, trainable):
 
 
 def test_updates_are_the_main_towers_and_triggers():
-    """Tower 0 holds the update ops, tower 1 a trigger of them; ``UPDATE_OPS`` stays empty."""
+    """Tower 0 holds the update ops, tower 1 a trigger of them; ``UPDATE_OPS`` stays empty.
+
+    Each tower's ``get_updates_for(its input)`` holds what runs the updates
+    (tower 0's also the trigger, which waits for the update ops).
+    """
     with tf.Graph().as_default():
         layer = sync_keras.BatchNormalization(sync_statistics=CollectiveBackend(timeout=60))
         inputs = [tf1.placeholder(tf.float32, (None, 4)) for _ in range(TOWERS)]
@@ -108,7 +114,9 @@ def test_updates_are_the_main_towers_and_triggers():
                 layer(x, training=True)
         types = [u.type for u in layer.updates]
         assert types == ['AssignSubVariableOp', 'AssignSubVariableOp', 'NoOp'], types
-        assert layer.get_updates_for(inputs[0]) == layer.updates[:2]
+        assert layer.get_updates_for(inputs[0]) == layer.updates
+        assert layer.get_updates_for(inputs[1]) == layer.updates[2:]
+        assert layer.get_updates_for(None) == []
         assert not tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
         assert not tf1.get_collection('tf1_syncbn_keras_updates')
 
@@ -311,3 +319,56 @@ def test_a_model_built_on_a_towers_tensor_is_that_towers():
     np.testing.assert_allclose(ours, _run(THEIRS['v2'], 1, True, True)['train'], rtol=1e-5,
                                atol=1e-5)
     np.testing.assert_allclose(moving, 0.2 * x.mean((0, 1, 2)), rtol=1e-5)
+
+
+def _last_towers_updates(make_model, tower_scope):
+    """Two towers; runs every tower's forward and only the LAST tower's
+    ``model.get_updates_for(its input)`` (the classic multi-GPU script's choice).
+
+    Returns:
+      ``(updates per tower, moving mean, moving variance)``, the statistics read
+      in a run of their own (TF1 behaviour: a variable read beside its update races).
+    """
+    x = _data()
+    rows = np.array_split(np.arange(len(x)), TOWERS)
+    with tf.Graph().as_default():
+        model = make_model()
+        placeholders = [tf1.placeholder(tf.float32, (None,) + SHAPE[1:]) for _ in range(TOWERS)]
+        outputs = []
+        for i, placeholder in enumerate(placeholders):
+            with tf.device('/cpu:%d' % i), tower_scope(i):
+                outputs.append(model(placeholder, training=True))
+        per_tower = [model.get_updates_for(p) for p in placeholders]
+        layer = model.layers[0]
+        with tf1.Session(config=tf1.ConfigProto(device_count={'CPU': TOWERS})) as sess:
+            sess.run(tf1.global_variables_initializer())
+            sess.run(outputs + per_tower[-1], {p: x[r] for p, r in zip(placeholders, rows)})
+            mean, variance = sess.run([layer.moving_mean, layer.moving_variance])
+    return [len(u) for u in per_tower], mean, variance
+
+
+@pytest.mark.parametrize('form', tf_behavior.pick(['patch', 'class'], ['patch']))
+def test_the_last_towers_updates_move_the_statistics_once(form):
+    """Each tower's ``model.get_updates_for(its input)`` holds its updates or trigger.
+
+    Before, a non-main tower's trigger had only control inputs from the main
+    tower's assignments, so tf-keras filed it as unconditional: ``[2, 0]``
+    updates per tower, and a script that keeps the last tower's never moved
+    ``moving_mean``. Reference: numpy float64 on the concatenated batch
+    (tf-keras' fused path: the Bessel-corrected variance, ``1 - momentum``).
+    """
+    if form == 'patch':
+        def make_model():
+            with sync_keras.patch_keras(num_dev=TOWERS):
+                return tf_keras.Sequential([tf_keras.layers.BatchNormalization(momentum=0.8)])
+        counts, mean, variance = _last_towers_updates(
+            make_model, lambda i: tf.name_scope('tower_%d' % i))
+    else:
+        counts, mean, variance = _last_towers_updates(
+            lambda: tf_keras.Sequential([sync_keras.BatchNormalization(
+                momentum=0.8, sync_statistics=CollectiveBackend(timeout=60))]),
+            lambda i: TowerContext('tower%d' % i, index=i, total=TOWERS))
+    assert all(counts), counts
+    flat = _data().astype(np.float64).reshape(-1, SHAPE[-1])
+    np.testing.assert_allclose(mean, 0.2 * flat.mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(variance, 0.8 + 0.2 * flat.var(0, ddof=1), rtol=1e-5)

@@ -4,6 +4,8 @@ Each case where the layer cannot synchronize as asked either raises (at graph
 build, or at the latest at the first run) or warns, naming the layer and the fix.
 """
 
+import contextlib
+import re
 import subprocess
 import sys
 import time
@@ -13,8 +15,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import tf_behavior
 from conftest import make_session
-from tf1_syncbn import BatchNorm, CollectiveBackend, SyncBNWarning, sync_batch_norm
+import tf1_syncbn
+from tf1_syncbn import BatchNorm, CollectiveBackend, SyncBNWarning, audit_graph, sync_batch_norm
 from tower import (TowerContext, register_tower_pattern, strip_tower_prefix,
                    tower_index_from_name, tower_patterns, unregister_tower_pattern)
 
@@ -161,6 +165,113 @@ def test_eager_mode_and_tf_function_are_clear_errors():
             "function 'traced')") in out, out
     assert "sync_batch_norm is called inside a tf.function (the traced function 'in_a_graph')" \
         in out, out
+
+
+# --- tower loops the layer cannot name ------------------------------------------------
+
+#: What the layer says about an unnamed tower loop of two copies: the fix, in full.
+UNTOWERED = (r'bn\): its variables \((gpu_0/)?bn/(moving_mean|mean/EMA), \.\.\.\) are used in '
+             r'training by copies on 2 devices \(/device:CPU:0, /device:CPU:1\).*pass '
+             r'num_dev=<number of towers>.*tower\.register_tower_pattern.*tower\.TowerContext')
+
+
+def _front_end(name):
+    """``build(x, training)``: the layer ``bn`` of a front-end, ``sync_statistics='auto'``."""
+    if name == 'keras':
+        from tf1_syncbn import keras as sync_keras  # noqa: PLC0415 - needs tf-keras
+        layer = sync_keras.BatchNormalization(name='bn')
+        return lambda x, training: layer(x, training=training)
+    if name == 'layers':
+        return lambda x, training: tf1_syncbn.layers.batch_normalization(
+            x, training=training, name='bn')
+    if name == 'tensorpack':
+        # (tensorpack's BatchNorm keeps tensorpack's default: sync_statistics=None.)
+        return lambda x, training: BatchNorm('bn', x, training=training, sync_statistics='auto')
+    return lambda x, training: sync_batch_norm(x, is_training=training, scope='bn')
+
+
+def _device_loop(build, devices, training=True, scope=None):
+    """The hand-written loop: ``tf.device`` per copy, variables reused, no tower scope.
+
+    ``scope``: a name-scope format no tower convention knows (``'gpu_%d'``),
+    else the loop of ``tf.variable_scope('', reuse=...)``.
+    """
+    outputs = []
+    for i, device in enumerate(devices):
+        if scope is None:
+            scopes = tf1.variable_scope('', reuse=tf1.AUTO_REUSE)
+        else:
+            scopes = contextlib.ExitStack()
+            scopes.enter_context(tf.name_scope(scope % i))
+            scopes.enter_context(tf1.variable_scope(tf1.get_variable_scope(),
+                                                    reuse=tf1.AUTO_REUSE))
+        with tf.device(device), scopes:
+            outputs.append(build(ph(), training))
+    return outputs
+
+
+@pytest.mark.parametrize('front_end,scope', tf_behavior.pick(
+    [(f, s) for f in ('slim', 'tensorpack', 'layers', 'keras') for s in (None, 'gpu_%d')],
+    [('slim', None), ('keras', 'gpu_%d')]))
+def test_an_unnamed_tower_loop_warns_and_single_device_reuse_does_not(graph, front_end,
+                                                                      scope):
+    """Copies of one layer trained on 2 devices outside any tower it can name: a warning.
+
+    Before, each copy normalized alone, silently. One layer applied to two
+    inputs on one device, and inference copies on two devices, stay quiet.
+    """
+    build = _front_end(front_end)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', SyncBNWarning)
+        _device_loop(build, ['/cpu:0', '/cpu:0'], scope=scope)             # one device
+        _device_loop(build, ['/cpu:0', '/cpu:1'], training=False, scope=scope)
+    with pytest.warns(SyncBNWarning, match=UNTOWERED) as caught:
+        _device_loop(build, ['/cpu:0', '/cpu:1', '/cpu:1'], scope=scope)
+    assert len(caught) == 1            # once per graph and layer
+
+
+class _ProcessPerDevice(CollectiveBackend):
+    """A backend that, as Horovod's, takes a layer outside any tower for its process's only one."""
+
+    implicit_single_tower = True
+
+
+def test_an_unnamed_tower_loop_with_an_explicit_backend_raises_and_num_dev_1_is_quiet(graph):
+    """An explicit backend raises where 'auto' warns; ``num_dev=1`` (one tower split across
+    devices on purpose) and ``sync_statistics=None`` say nothing."""
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', SyncBNWarning)
+        for kwargs in ({'num_dev': 1}, {'sync_statistics': None}):
+            _device_loop(lambda x, training, kw=kwargs: sync_batch_norm(x, scope='bn', **kw),
+                         ['/cpu:0', '/cpu:1'])
+
+        def build(x, training):
+            return sync_batch_norm(x, scope='bn', sync_statistics=_ProcessPerDevice())
+
+        with pytest.raises(ValueError, match=UNTOWERED + r'.*pass num_dev=1\.$'):
+            _device_loop(build, ['/cpu:0', '/cpu:1'])
+        # The copy that raised left no trace: on the first device, the layer builds.
+        _device_loop(build, ['/cpu:0'])
+
+
+def test_the_audit_flags_an_unnamed_tower_loop_with_the_same_advice(graph):
+    with pytest.warns(SyncBNWarning):
+        ys = _device_loop(_front_end('slim'), ['/cpu:0', '/cpu:1'], scope='gpu_%d')
+    loss = tf.add_n([tf.reduce_sum(y * y) for y in ys])
+    with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+        train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    report = audit_graph(graph, train_op)
+    assert not report.ok, str(report)
+    assert len(report.problems) == 1, str(report)
+    assert re.match(r'bn: trained by copies on 2 devices \(/device:CPU:0, /device:CPU:1\) that '
+                    r'no tower name tells apart \(gpu_0/bn, gpu_1/bn\).*pass num_dev=<number '
+                    r'of towers>.*tower\.register_tower_pattern.*tower\.TowerContext',
+                    report.problems[0]), report.problems[0]
+    assert report.layers[0].sync_summary() == 'no (per device)'
+    assert report.info == [], report.info     # not "one layer applied to 2 inputs"
+    # The convention registered for the audit: per-tower statistics, as before.
+    report = audit_graph(graph, train_op, tower_patterns=[r'gpu_([0-9]+)'])
+    assert "own batch's statistics" in report.problems[0], report.problems
 
 
 # --- tower name conventions ---------------------------------------------------------

@@ -100,6 +100,22 @@ class Instance(object):
     def reached(self, reached):
         return reached is None or any(n.key in reached for n, _ in self.anchors)
 
+    @property
+    def device(self):
+        """The device its training anchors (else any) were placed on, as written; '' if none.
+
+        An op of a function body (a ``tf.cond`` branch) without a device of
+        its own runs on the device of the op that calls the function.
+        """
+        ordered = sorted(self.anchors, key=lambda a: a[1] not in _TRAINING_KINDS)
+        for node, _ in ordered:
+            device, context = node.device, node.context
+            while not device and context is not None:
+                device, context = context.caller.device, context.caller.context
+            if device:
+                return device
+        return ''
+
 
 def _moving_variables(index, patterns):
     """``{variable node key: (layer key, statistic, node)}`` of every moving-statistic variable."""

@@ -12,6 +12,9 @@
 * a moving variable assigned by more than one update op in one step;
 * a synchronized layer whose all-reduce group is smaller than the towers
   that build it;
+* a layer trained by copies on several devices that no tower name tells
+  apart (an unnamed tower loop: ``tf.device('/gpu:%d' % i)`` without
+  ``tower_<i>`` scopes, or an unregistered convention), none synchronized;
 
 and, as notes only, inference-mode layers in a training tower. The report
 is an :class:`~tf1_syncbn.audit_report.AuditReport`. The command line is
@@ -95,8 +98,13 @@ def _unique(labels):
     return tuple(sorted(set(labels), key=report_lib.tower_sort_key))
 
 
-def _update_status(key, training, variables, updates, reached, index, patterns):
-    """``(status, update op names, problems, notes)`` of a layer's moving-average updates."""
+def _update_status(key, training, variables, updates, reached, index, patterns,
+                   several_inputs_note=True):
+    """``(status, update op names, problems, notes)`` of a layer's moving-average updates.
+
+    ``several_inputs_note``: note a layer applied to several inputs of one
+    tower (False where its copies are an unnamed tower loop, a problem).
+    """
     own = [(node, stat) for k, stat, node in variables.values() if k == key]
     built = [u for node, _ in own for u in updates.get(node.key, [])]
     if not training:
@@ -131,7 +139,7 @@ def _update_status(key, training, variables, updates, reached, index, patterns):
                 'tf1_syncbn\'s layers, which build the updates once and share them with every '
                 'tower.' % (key, stat, node.name, len(towers), report_lib.format_towers(towers),
                             _some(twice)))
-        elif stat == stats[0]:
+        elif stat == stats[0] and several_inputs_note:
             notes.append(
                 '%s: applied to %d inputs in one step (%s), each call updating the moving '
                 'statistics, so they move %d times per step, as the layer does on one device '
@@ -192,6 +200,51 @@ def _sync_problems(key, computation, towers, synced_towers, sizes, backends):
     return []
 
 
+def _canonical_device(device):
+    try:
+        return tf.DeviceSpec.from_string(device).to_string()
+    except ValueError:
+        return device
+
+
+def _untowered_problems(key, computation, in_step):
+    """Copies that no tower name tells apart, trained on several devices, none synchronized.
+
+    A tower loop that neither the layer nor the audit can see (no tower name
+    scope, or an unregistered one, and no tower context): every copy had a
+    group of one.
+    """
+    by_tower = {}
+    for instance in in_step:
+        if instance.collectives or not instance.device:
+            continue
+        copies = by_tower.setdefault(instance.tower, {})
+        copies.setdefault(_canonical_device(instance.device), []).append(instance.scope)
+    problems = []
+    for tower, copies in sorted(by_tower.items()):
+        if len(copies) < 2:
+            continue
+        if computation == 'tf1_syncbn':
+            fix = 'Pass'
+        else:
+            fix = ("With tf1_syncbn's layers (sync_batch_norm, tf1_syncbn.layers, "
+                   'tf1_syncbn.keras, BatchNorm, or the patches patch_tf_layers(), '
+                   'keras.patch_keras(), patch_tensorpack()), pass')
+        scopes = sorted(s for found in copies.values() for s in found)
+        problems.append(
+            '%s: trained by copies on %d devices (%s) that no tower name tells apart (%s%s), '
+            "each normalizing with its own device's batch (no all-reduce): a tower loop the "
+            'layer cannot see. %s num_dev=<number of towers> and build tower i under a '
+            'name scope tower_<i> (or register your convention: '
+            "tower.register_tower_pattern(r'gpu_([0-9]+)') for gpu_<i>, and audit with "
+            'tower_patterns / --tower-pattern), or build the towers in tower.TowerContext / '
+            'tower.call_for_each_tower. (A model split across devices on purpose, one tower, '
+            'shows the same way.)'
+            % (key, len(copies), ', '.join(sorted(copies)), _some(scopes),
+               ' in ' + tower if tower else '', fix))
+    return problems
+
+
 def _synchronized(synced_towers, training_towers):
     if not synced_towers:
         return False
@@ -216,8 +269,10 @@ def _layer(key, group, found):
     backends = {b for b, _ in described}
     sizes = sorted({s for _, s in described if s})
     collectives = forward + found['backward'].get(key, [])
+    untowered = _untowered_problems(key, computation, in_step)
     status, update_ops, update_problems, update_notes = _update_status(
-        key, training, found['variables'], found['updates'], reached, index, found['patterns'])
+        key, training, found['variables'], found['updates'], reached, index, found['patterns'],
+        several_inputs_note=not untowered)
     mode = ('infer' if not training else
             'train+infer' if any(i.inference for i in group) else 'train')
     layer = report_lib.LayerAudit(
@@ -229,9 +284,10 @@ def _layer(key, group, found):
         collectives_per_step=sum(1 for c in collectives if reached is None or c.key in reached),
         updates=status, update_ops=update_ops,
         moving_variables=tuple(sorted(n.name for k, _, n in found['variables'].values()
-                                      if k == key)))
+                                      if k == key)),
+        devices=tuple(sorted({_canonical_device(i.device) for i in in_step if i.device})))
     layer.problems = _sync_problems(key, computation, training_towers, synced_towers, sizes,
-                                    backends) + update_problems
+                                    backends) + untowered + update_problems
     layer.notes = update_notes
     return layer
 

@@ -25,7 +25,7 @@ conversion to another).
 import tensorflow as tf
 
 from tf1_syncbn import _inference_records, _normalize, _updates
-from tf1_syncbn._group import find_group
+from tf1_syncbn._group import check_untowered_copies, find_group
 from tf1_syncbn._options import check_batch_weights
 from tf1_syncbn._plan import plan_sync
 from tf1_syncbn._variables import read
@@ -37,7 +37,7 @@ __all__ = ['batch_norm']
 
 def batch_norm(x, layout, options, params, batch_weights=None,
                updates_collections=tf1.GraphKeys.UPDATE_OPS, update_moving=True, finetune=None,
-               prediction_towers_update=False):
+               prediction_towers_update=False, trigger_after_output=False):
     """Builds one batch-norm call.
 
     Args:
@@ -54,6 +54,9 @@ def batch_norm(x, layout, options, params, batch_weights=None,
         ``params.finetune_count``).
       prediction_towers_update: a call with batch statistics in a prediction
         tower updates the moving statistics (tensorpack's layers do).
+      trigger_after_output: a non-main tower's trigger also waits for this
+        call's output, so that it depends on the tower's input (tf-keras
+        files updates by the inputs they are reachable from).
 
     Moving-average updates are built once per call, by the main training
     tower; with ``updates_collections``, every other training tower of the
@@ -99,7 +102,8 @@ def batch_norm(x, layout, options, params, batch_weights=None,
             for op in updates:
                 tf1.add_to_collections(updates_collections, op)
     _updates.share_updates(group, updates, update_moving and training is not False,
-                           updates_collections)
+                           updates_collections, [y] if trigger_after_output else [])
+    check_untowered_copies(options, group, params.moving_mean, y)
     y.set_shape(x.shape)
     # What tf1_syncbn.export needs to replace this call by an inference op (no op built).
     _inference_records.record(x, y, layout, options, params)

@@ -7,7 +7,9 @@ gives the tower of scripts without tower objects (``tower_<i>``,
 ``clone_<i>``, registered patterns). :func:`find_group` reads them;
 :func:`choose_backend` turns ``sync_statistics`` into a backend for that
 group, and refuses, or warns, rather than normalize with one tower's
-statistics when the group cannot be told.
+statistics when the group cannot be told. :func:`check_untowered_copies`
+does the same for a tower loop it cannot see at all: one layer trained by
+copies on several devices, outside any tower it can name.
 """
 
 import collections
@@ -17,13 +19,14 @@ import tensorflow as tf
 
 from tf1_syncbn import backends
 from tf1_syncbn._registry import base_name, get_registry
+from tf1_syncbn._variables import assignable
 from tower import get_current_tower_context, tower_index_from_name
 from tower._state import full_name_scope, get_graph_state
 
 tf1 = tf.compat.v1
 
-__all__ = ['Group', 'find_group', 'choose_backend', 'SyncBNWarning', 'canonical_device',
-           'current_device']
+__all__ = ['Group', 'find_group', 'choose_backend', 'check_untowered_copies', 'SyncBNWarning',
+           'canonical_device', 'current_device']
 
 
 class SyncBNWarning(UserWarning):
@@ -186,10 +189,67 @@ def _unknown_group_error(options, spec):
            options.arg('num_dev')))
 
 
-def _warn_once(options, message):
-    """Warns once per graph and layer."""
-    warned = get_graph_state().slot('tf1_syncbn.warned', set)
-    if options.layer in warned:
+def check_untowered_copies(options, group, moving_mean, output):
+    """Raises or warns when copies of one layer train on several devices outside any tower.
+
+    A tower loop the layer cannot see (``for i: with tf.device('/gpu:%d' % i),
+    tf.variable_scope('', reuse=i > 0):``, or under an unregistered ``gpu_<i>``
+    name scope, without ``num_dev``) gives every copy a group of one: each
+    normalizes with its own device's batch. The graph shows it: one layer's
+    variables trained by copies on several devices. The graph's
+    :class:`~tf1_syncbn._registry.CallRegistry` keeps the devices of each
+    layer's training copies outside any tower; from the second device on, a
+    layer with ``sync_statistics='auto'`` warns (:class:`SyncBNWarning`, once
+    per graph and layer) and one with an explicit backend raises. Copies on
+    one device (one layer applied to several inputs), inference copies and
+    copies without a device say nothing.
+
+    Args:
+      options: the call's :class:`~tf1_syncbn._options.Options`.
+      group: the call's :class:`Group`.
+      moving_mean: the layer's moving mean (a variable, or a custom getter's
+        value computed from it): it names the layer's variables.
+      output: the call's output, whose device is the copy's.
+
+    Raises:
+      ValueError: for an explicit backend (``'horovod'``: the others refuse
+        the first copy outside any tower already).
+    """
+    if options.sync_statistics is None or options.is_training is False or \
+            group.ctx is not None or options.num_dev is not None or group.towers != 1:
         return
-    warned.add(options.layer)
+    device = canonical_device(output.op.device)
+    if not device:
+        return
+    try:
+        variable = assignable(moving_mean).op.name
+    except TypeError:                  # a getter's value from no variable: its own name
+        variable = getattr(moving_mean, 'name', repr(moving_mean))
+    registry = get_registry()
+    devices = registry.untowered_copy_devices(variable, device)
+    if len(devices) > 1:
+        message = (
+            'its variables (%s, ...) are used in training by copies on %d devices (%s), none '
+            'of them in a tower it can name (no tower context, no tower name scope, no %s; '
+            'this copy: name scope %r), so each copy normalizes with its own device\'s batch '
+            'alone. To synchronize the copies as towers, pass %s=<number of towers> and build '
+            'tower i under a name scope tower_<i> (or register your convention, e.g. '
+            'tower.register_tower_pattern(r\'gpu_([0-9]+)\') for gpu_<i>), or build the '
+            'towers in tower.TowerContext / tower.call_for_each_tower. If the copies are one '
+            'tower on purpose (one model split across devices), pass %s=1'
+            % (variable, len(devices), ', '.join(devices), options.arg('num_dev'),
+               full_name_scope(), options.arg('num_dev'), options.arg('num_dev')))
+        if not _is_auto(options.sync_statistics):
+            raise options.error(message + '.')
+        _warn_once(options, message + ', or %s=None to keep per-device statistics and '
+                   'silence this warning.' % options.arg('sync_statistics'), 'untowered')
+    registry.add_untowered_copy(variable, device)
+
+
+def _warn_once(options, message, kind='unknown group'):
+    """Warns once per graph, layer and kind of warning."""
+    warned = get_graph_state().slot('tf1_syncbn.warned', set)
+    if (options.layer, kind) in warned:
+        return
+    warned.add((options.layer, kind))
     warnings.warn('%s: %s' % (options.layer, message), SyncBNWarning, stacklevel=5)

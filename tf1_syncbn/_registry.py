@@ -48,6 +48,7 @@ class CallRegistry(object):
         self._exited = collections.defaultdict(set)   # total -> tower indices exited
         self._pending = collections.defaultdict(set)  # total -> call names to check
         self._incomplete = {}       # call names some tower has not built yet, in order
+        self._unnamed = collections.defaultdict(list)  # variable -> devices of untowered copies
         self.listeners = []
 
     def call_name(self, towers, tower_index, base):
@@ -115,6 +116,31 @@ class CallRegistry(object):
         if was_incomplete or self._incomplete:
             for listener in self.listeners:
                 listener()
+
+    def untowered_copy_devices(self, variable, device):
+        """The devices of a layer's training copies outside any tower, ``device`` included.
+
+        A layer whose variables are used in training by copies on several
+        devices, none of them in a tower the layer can name (no tower context,
+        no tower name scope, no ``num_dev``), normalizes each copy alone: an
+        unnamed tower loop. Nothing is recorded here (see
+        :meth:`add_untowered_copy`), so that a call that raises leaves no trace.
+
+        Args:
+          variable: the name of the layer's moving-mean variable.
+          device: the canonical device of this copy.
+
+        Returns:
+          The distinct devices, in the order they were first seen.
+        """
+        devices = self._unnamed.get(variable, [])
+        return list(devices) if device in devices else devices + [device]
+
+    def add_untowered_copy(self, variable, device):
+        """Records a training copy of ``variable``'s layer outside any tower on ``device``."""
+        devices = self._unnamed[variable]
+        if device not in devices:
+            devices.append(device)
 
     def missing_towers(self, names=None):
         """Descriptions of the synchronized calls that some tower never built.

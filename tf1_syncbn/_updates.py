@@ -8,7 +8,9 @@
   other training tower of the group puts a trigger of those same updates into
   its own update collection, so a harness that keeps the first tower's
   ``UPDATE_OPS`` (tf-slim's ``model_deploy``), the last one's (the classic
-  multi-GPU scripts) or all of them runs them exactly once per step.
+  multi-GPU scripts) or all of them runs them exactly once per step. For
+  ``tf1_syncbn.keras`` a trigger also waits for its own tower's output (see
+  :func:`share_updates`).
 
 Updates assign the variables under a ``custom_getter``'s transformed values
 (:func:`tf1_syncbn._variables.assignable`).
@@ -194,7 +196,7 @@ class _SharedUpdates(object):
         self.waiting = collections.defaultdict(list)       # same key -> early triggers
 
 
-def share_updates(group, updates, updating, updates_collections):
+def share_updates(group, updates, updating, updates_collections, after=()):
     """Puts a trigger of the main tower's updates into every other training tower's collections.
 
     TensorFlow runs an op once per step however many times it is fetched, so
@@ -208,6 +210,14 @@ def share_updates(group, updates, updating, updates_collections):
       updating: whether this call updates the moving statistics at all.
       updates_collections: the collections the updates go to (None: inside the
         layer, nothing to share).
+      after: ops or tensors a trigger also waits for. ``tf1_syncbn.keras``
+        passes the tower's output: tf-keras files an update under
+        ``get_updates_for(inputs)`` only when it is reachable from
+        ``inputs``, and a trigger whose only control inputs are the main
+        tower's assignments is reachable from the main tower's input alone
+        (tf-keras filed it as unconditional: the last tower's
+        ``get_updates_for`` was empty). Elsewhere nothing: fetching every
+        tower's ``UPDATE_OPS`` then needs no other tower's input.
     """
     if group.towers == 1 or updates_collections is None or not updating or \
             group.replicated_updates or enclosing_while_loop() is not None:
@@ -225,11 +235,12 @@ def share_updates(group, updates, updating, updates_collections):
     if group.ctx is not None and not group.ctx.is_training:
         return
     existing = shared.updates.get(key)
-    if existing is not None:
-        trigger = tf.group(*existing, name='update_moving_averages')
-    else:
-        trigger = tf.no_op(name='update_moving_averages')
-        shared.waiting[key].append(trigger)
+    with tf.control_dependencies([_as_op(a) for a in after]):
+        if existing is not None:
+            trigger = tf.group(*existing, name='update_moving_averages')
+        else:
+            trigger = tf.no_op(name='update_moving_averages')
+            shared.waiting[key].append(trigger)
     tf1.add_to_collections(updates_collections, trigger)
 
 

@@ -9,20 +9,32 @@ collection of fine-tune counters.
 
 A variable may come through a ``custom_getter`` of the enclosing variable
 scope, which returns a *transformed* value instead of the variable (fake
-quantization, for example). The core reads every variable through
-:func:`read` and updates the moving statistics through :func:`assignable`:
-the transformed value is what the layer computes with, the variable under it
-is what the update assigns.
+quantization, a learned scale, for example). The core reads every variable
+through :func:`read` and updates the moving statistics through
+:func:`assignable`: the transformed value is what the layer computes with,
+the variable the getter received is what the update assigns. Front-ends
+create their variables inside :func:`received_variables`, which records, for
+each value a getter returns, the variable it received (the value may be
+computed from other variables too: ``tf.multiply(scale, variable)``).
 """
 
 import collections
+import contextlib
 
 import tensorflow as tf
+from tensorflow.python.util import function_utils
+
+from tower._state import get_graph_state
 
 tf1 = tf.compat.v1
 
 __all__ = ['Params', 'RenormVariables', 'FINETUNE_COUNTERS', 'STATISTICS_AGGREGATION',
-           'zero_debias_variables', 'read', 'assignable']
+           'zero_debias_variables', 'read', 'assignable', 'received_variables']
+
+#: The graph-state slot of what custom getters returned inside
+#: :func:`received_variables`: ``{id(value): (value, received variable or None,
+#: names the getter asked its own getter for)}``.
+_RECEIVED = 'tf1_syncbn.received_variables'
 
 #: Collection of the batch counters of fine-tune mode (see start_finetuning).
 FINETUNE_COUNTERS = 'tf1_syncbn_finetune_counters'
@@ -137,50 +149,137 @@ def _aliases_a_reference_variable(tensor, limit=64):
     return False
 
 
+@contextlib.contextmanager
+def received_variables():
+    """Variables created here remember which variable the scope's ``custom_getter`` received.
+
+    Inside, the current variable scope's ``custom_getter`` (a copy of the
+    scope: the user's scope is left as it is) is wrapped: the getter gets, as
+    its own ``getter``, one that records what it returns. For each value the
+    getter returns that is not a variable, :func:`assignable` then knows the
+    variable it received under the name it was asked for (or the only one it
+    received, for a getter that renames). Without a ``custom_getter``,
+    nothing changes.
+    """
+    scope = tf1.get_variable_scope()
+    users = scope.custom_getter
+    if users is None:
+        yield
+        return
+    records = get_graph_state().slot(_RECEIVED, dict)
+    # As TensorFlow calls a custom getter: `constraint` only if it takes it.
+    takes_constraint = 'constraint' in function_utils.fn_args(users) or \
+        function_utils.has_kwargs(users)
+
+    def capturing(getter, **kwargs):
+        calls = []
+
+        def recording(*args, **getter_kwargs):
+            variable = getter(*args, **getter_kwargs)
+            calls.append((getter_kwargs.get('name', args[0] if args else None), variable))
+            return variable
+
+        if not takes_constraint:
+            kwargs.pop('constraint', None)
+        value = users(getter=recording, **kwargs)
+        if not _is_variable(value):
+            same = [v for n, v in calls if n == kwargs.get('name')]
+            received = same[0] if same else calls[0][1] if len(calls) == 1 else None
+            records[id(value)] = (value, received, [n for n, _ in calls])
+        return value
+
+    with tf1.variable_scope(scope, auxiliary_name_scope=False) as wrapped:
+        wrapped.set_custom_getter(capturing)
+        yield
+
+
+def _is_variable(value):
+    return isinstance(value, tf.Variable) or hasattr(value, 'assign_sub')
+
+
 def assignable(value):
-    """The variable under ``value`` for an update (``value`` itself when it is one).
+    """The variable an update of ``value`` assigns (``value`` itself when it is one).
 
     A ``custom_getter`` that transforms a moving statistic returns a tensor
     computed from the variable; the moving-average update must assign the
-    variable itself. The variable is found by walking back from the tensor
-    through the ops that read it (``ReadVariableOp`` of a resource variable,
-    the ref of a ref variable).
+    variable the getter received (recorded by :func:`received_variables`),
+    never another variable the value is computed from (a getter's own
+    ``scale`` in ``tf.multiply(scale, variable)``). Without a record, the
+    value must be computed from exactly one variable.
 
     Raises:
-      TypeError: when no variable can be found under ``value``.
+      TypeError: when the value is computed from no variable, not from the
+        variable the getter received, or (without a record) from several.
     """
-    if isinstance(value, tf.Variable) or hasattr(value, 'assign_sub'):
+    if _is_variable(value):
         return value
-    found = _variable_under(value)
-    if found is None:
+    graph = getattr(value, 'graph', None)
+    record = None
+    if graph is not None:
+        record = get_graph_state(graph).slots.get(_RECEIVED, {}).get(id(value))
+        if record is not None and record[0] is not value:
+            record = None
+    received = record[1] if record is not None else None
+    under = _variables_under(value, received) if graph is not None else []
+    if not under:
         raise TypeError(
             'a moving statistic came out of a custom_getter as %r, which is computed from no '
             'variable of this graph, so its moving average cannot be updated. Return a value '
             'computed from the variable the getter receives (getter(name, *args, **kwargs)).'
             % (value,))
-    return found
+    if received is not None and any(v is received for v in under):
+        return received
+    if record is not None:
+        asked = ', '.join(repr(n) for n in record[2]) or 'none'
+        raise TypeError(
+            'a moving statistic came out of a custom_getter as %r, computed from %s but not '
+            'from the variable the getter received under the name it was asked for (it asked '
+            'its getter for: %s), so the layer cannot tell which variable its moving average '
+            'updates. Return a value computed from the variable getter(name, *args, **kwargs) '
+            'returns.' % (value, _names(under), asked))
+    if len(under) > 1:
+        raise TypeError(
+            'a moving statistic came out of a custom_getter as %r, computed from several '
+            'variables (%s), so the layer cannot tell which one its moving average updates. '
+            'Build the layer where its variables are created through the getter of its own '
+            'variable scope, or return the variable itself.' % (value, _names(under)))
+    return under[0]
 
 
-def _variable_under(tensor):
-    """The global variable whose value ``tensor`` is computed from (breadth first), or None."""
+def _names(variables):
+    return ', '.join(v.op.name for v in variables)
+
+
+def _variables_under(tensor, received=None):
+    """The variables whose values ``tensor`` is computed from (breadth first).
+
+    Stops at ``received`` when it is met (the only one the caller needs then).
+    """
     graph = tensor.graph
     with graph.as_default():
-        by_handle = {}
-        for v in tf1.global_variables() + tf1.local_variables():
-            handle = getattr(v, 'handle', None)
-            if handle is not None:
-                by_handle[handle.op.name] = v
-            by_handle.setdefault(v.op.name, v)
-    queue, seen = [tensor.op], set()
+        candidates = ([] if received is None else [received]) + tf1.global_variables() + \
+            tf1.local_variables()
+    by_op = {}
+    for v in candidates:
+        handle = getattr(v, 'handle', None)
+        if handle is not None:
+            by_op.setdefault(handle.op.name, v)
+        by_op.setdefault(v.op.name, v)
+    queue, seen, found = collections.deque([tensor.op]), set(), []
     while queue:
-        op = queue.pop(0)
+        op = queue.popleft()
         if op.name in seen:
             continue
         seen.add(op.name)
-        if op.name in by_handle:
-            return by_handle[op.name]
+        variable = by_op.get(op.name)
+        if variable is not None:
+            if not any(variable is v for v in found):
+                found.append(variable)
+            if variable is received:
+                break
+            continue
         queue.extend(t.op for t in op.inputs)
-    return None
+    return found
 
 
 def zero_debias_variables(moving_mean, model_variables):

@@ -51,6 +51,8 @@ class LayerAudit(object):
       update_ops: the names of its update ops (those run by the train op when
         one was given and some are).
       moving_variables: the names of its moving-statistic variables.
+      devices: the devices its training copies were placed on (those that
+        name one), in order.
       problems: this layer's entries of :attr:`AuditReport.problems`.
       notes: this layer's entries of :attr:`AuditReport.info` (for example, a
         layer applied to several inputs in one step).
@@ -70,6 +72,7 @@ class LayerAudit(object):
         self.updates = fields.pop('updates', UPDATES_NOT_CHECKED)
         self.update_ops = fields.pop('update_ops', ())
         self.moving_variables = fields.pop('moving_variables', ())
+        self.devices = fields.pop('devices', ())
         self.problems = fields.pop('problems', [])
         self.notes = fields.pop('notes', [])
         if fields:
@@ -88,7 +91,9 @@ class LayerAudit(object):
         if self.mode == 'infer':
             return '-'
         if self.synchronized is False:
-            return 'no (per tower)' if len(self.training_towers) > 1 else 'no (one tower)'
+            if len(self.training_towers) > 1:
+                return 'no (per tower)'
+            return 'no (per device)' if len(self.devices) > 1 else 'no (one tower)'
         text = self.backend or 'yes'
         if self.group_size:
             text += ' (group %d)' % self.group_size

@@ -152,8 +152,11 @@ class _Synchronized(object):
         # name of its own, so that the towers' calls keep their numbers.
         scope = self.name + ('/keras_model_graph' if one_device else '')
         with tf1.variable_scope(scope, auxiliary_name_scope=False), _lazy_cond_outputs():
+            # A non-main tower's trigger waits for this tower's output, so that
+            # tf-keras files it under get_updates_for(this tower's input).
             outputs = batch_norm(x, layout, options, self._sync_params(),
-                                 batch_weights=weights, updates_collections=[_UPDATES_COLLECTION])
+                                 batch_weights=weights, updates_collections=[_UPDATES_COLLECTION],
+                                 trigger_after_output=True)
         updates, pending[:] = list(pending), []
         if updates:
             self.add_update(updates)

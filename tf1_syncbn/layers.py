@@ -26,7 +26,8 @@ from tf1_syncbn._tf_layers_rules import (BASE_NAME, DTYPES, channel_axes, check_
                                          check_callable, check_rank_of_reuse,
                                          ghost_batches_in_training, tf_layers_runs_fused_kernel,
                                          training_value, unique_layer_name)
-from tf1_syncbn._variables import STATISTICS_AGGREGATION, Params, RenormVariables
+from tf1_syncbn._variables import (STATISTICS_AGGREGATION, Params, RenormVariables,
+                                   received_variables)
 
 __all__ = ['BatchNormalization', 'batch_normalization']
 
@@ -313,7 +314,9 @@ class BatchNormalization(object):
         if not fused and dtype != tf.float32:
             x = tf.cast(x, tf.float32)     # tf.layers' non-fused path computes in float32
         if not self.built:
-            self._build(parameter_shape(inputs.shape.as_list(), axes, vbs is not None), options)
+            with received_variables():
+                self._build(parameter_shape(inputs.shape.as_list(), axes, vbs is not None),
+                            options)
             # As tf.layers: the axes non-negative, shifted by the virtual-batch axis.
             self.fused = fused
             self.axis = [a + 1 for a in axes] if vbs is not None else list(axes)

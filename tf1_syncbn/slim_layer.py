@@ -9,7 +9,7 @@ from tf1_syncbn._core import batch_norm
 from tf1_syncbn._options import (check_dict_keys, check_graph_mode, check_inputs, check_options,
                                  replaced_layer_is_fused)
 from tf1_syncbn._variables import (FINETUNE_COUNTERS, STATISTICS_AGGREGATION, Params,
-                                   RenormVariables, zero_debias_variables)
+                                   RenormVariables, received_variables, zero_debias_variables)
 
 __all__ = ['sync_batch_norm']
 
@@ -196,10 +196,11 @@ def sync_batch_norm(inputs,
             fused, layout.rank, batch_weights, renorm, adjustment, zero_debias_moving_mean,
             updates_collections)
         options = options.with_replaced_path(slim_fused, float32_decay=keras_fused)
-        params = _slim_variables(layout.channels, options, initializers, regularizers,
-                                 variables_collections, trainable, finetune,
-                                 zero_debias_moving_mean and is_training is not False,
-                                 debias_model_variables=not slim_fused)
+        with received_variables():
+            params = _slim_variables(layout.channels, options, initializers, regularizers,
+                                     variables_collections, trainable, finetune,
+                                     zero_debias_moving_mean and is_training is not False,
+                                     debias_model_variables=not slim_fused)
         outputs = batch_norm(x, layout, options, params, batch_weights=batch_weights,
                              updates_collections=updates_collections, finetune=finetune)
         if activation_fn is not None:

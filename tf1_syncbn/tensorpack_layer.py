@@ -10,7 +10,7 @@ from tf1_syncbn._core import batch_norm
 from tf1_syncbn._options import (check_graph_mode, check_inputs, check_options,
                                  replaced_layer_is_fused)
 from tf1_syncbn._variables import (FINETUNE_COUNTERS, STATISTICS_AGGREGATION, Params,
-                                   RenormVariables, assignable)
+                                   RenormVariables, assignable, received_variables)
 from tf1_syncbn.tensorpack_compat import tensorpack_layer
 from tower import get_current_tower_context
 
@@ -299,14 +299,15 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_MOMENTUM, eps
         # Keras' fused path computes 1 - momentum in float32.
         options = options.with_replaced_path(fused, float32_decay=fused)
         channels = layout.channels
-        beta = _get_variable('beta', channels, beta_initializer) if options.center else None
-        gamma = _get_variable('gamma', channels, values['gamma_initializer']) \
-            if options.scale else None
-        moving_mean = _get_variable('mean/EMA', channels, tf1.zeros_initializer(), False)
-        moving_var = _get_variable('variance/EMA', channels, tf1.ones_initializer(), False)
+        with received_variables():
+            beta = _get_variable('beta', channels, beta_initializer) if options.center else None
+            gamma = _get_variable('gamma', channels, values['gamma_initializer']) \
+                if options.scale else None
+            moving_mean = _get_variable('mean/EMA', channels, tf1.zeros_initializer(), False)
+            moving_var = _get_variable('variance/EMA', channels, tf1.ones_initializer(), False)
+            params = Params(beta, gamma, moving_mean, moving_var,
+                            finetune_count=_finetune_counter(finetune))
         _add_model_variables(ctx, (moving_mean, moving_var))
-        params = Params(beta, gamma, moving_mean, moving_var,
-                        finetune_count=_finetune_counter(finetune))
         collections = [tf1.GraphKeys.UPDATE_OPS]
         if ema_update == 'internal' or sync_statistics is not None:
             collections = None
@@ -405,14 +406,15 @@ def BatchRenorm(name, x, rmax, dmax, *, momentum=0.9, epsilon=1e-5, center=True,
         options = options.with_replaced_path(False)
         channels = layout.channels
         gamma_init = values['gamma_initializer'] or tf1.ones_initializer()
-        beta = _get_variable('beta', channels, tf1.zeros_initializer()) \
-            if options.center else None
-        gamma = _get_variable('gamma', channels, gamma_init) if options.scale else None
         mean_init, var_init = tf1.zeros_initializer(), tf1.ones_initializer()
-        moving_mean = _get_variable('moving_mean', channels, mean_init, False)
-        moving_var = _get_variable('moving_variance', channels, var_init, False)
-        renorm_vars = RenormVariables.create(
-            lambda n, init: _get_variable(n, channels, init, False), mean_init, var_init)
+        with received_variables():
+            beta = _get_variable('beta', channels, tf1.zeros_initializer()) \
+                if options.center else None
+            gamma = _get_variable('gamma', channels, gamma_init) if options.scale else None
+            moving_mean = _get_variable('moving_mean', channels, mean_init, False)
+            moving_var = _get_variable('moving_variance', channels, var_init, False)
+            renorm_vars = RenormVariables.create(
+                lambda n, init: _get_variable(n, channels, init, False), mean_init, var_init)
         _add_model_variables(ctx, (moving_mean, moving_var) + tuple(renorm_vars))
         params = Params(beta, gamma, moving_mean, moving_var, renorm_vars)
         collections = None if sync_statistics is not None else [tf1.GraphKeys.UPDATE_OPS]
