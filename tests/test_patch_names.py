@@ -3,7 +3,10 @@
 A fresh interpreter per Keras setting (what a name resolves to depends on
 what was imported before): ``TF_USE_LEGACY_KERAS`` unset (Keras 2.15 on
 TensorFlow 2.15, Keras 3 from 2.16) and ``TF_USE_LEGACY_KERAS=1`` (tf-keras).
-In each, after the patch:
+In each, a ``tower_%d`` loop of ``tf.compat.v1.layers.batch_normalization``
+(2 towers of 2 rows, one SGD step) patched equals one device on the whole
+batch (numpy, float64), and tf.layers' own layer in its place, where this
+TensorFlow has one (not with Keras 3), does not. After the patch:
 
 * ``patch_tf_layers(num_dev=2)``: ``tf.compat.v1.layers.batch_normalization``,
   ``tf.layers.BatchNormalization`` (``import tensorflow.compat.v1 as tf``) and
@@ -30,6 +33,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -42,6 +46,7 @@ ROOT = os.path.dirname(HERE)
 
 SCRIPT = tf_behavior.SOURCE + r'''
 import functools, json, sys, types, warnings
+import numpy as np
 import tensorflow as tf
 import tensorflow.compat.v1 as tfv1
 import tf_slim as slim
@@ -84,6 +89,41 @@ def error(call):
         handle.restore()
     return 'returned normally'
 
+
+# A tower_%d loop, one SGD step: tf.layers' layer where this TensorFlow has it
+# (per-tower), then patched (synchronized).
+X = np.random.RandomState(0).randn(4, 3).astype(np.float32) * 2 + 1
+W = np.random.RandomState(1).randn(4, 3).astype(np.float32)
+
+
+def step():
+    """gamma, beta, moving mean and variance after one step of 2 towers of 2 rows."""
+    graph = tf.Graph()
+    with graph.as_default():
+        losses = []
+        for i, (x, w) in enumerate(zip(tf.split(X, 2), tf.split(W, 2))):
+            with tf.device('/cpu:%d' % i), tf.name_scope('tower_%d' % i), \
+                    tf1.variable_scope('', reuse=i > 0):
+                h = tf.compat.v1.layers.batch_normalization(x, training=True, momentum=0.5,
+                                                            name='bn')
+                losses.append(tf.reduce_sum(h * w))
+        with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+            train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(tf.add_n(losses))
+        names = ['bn/gamma', 'bn/beta', 'bn/moving_mean', 'bn/moving_variance']
+        variables = {v.op.name: v for v in tf1.global_variables()}
+        config = tf1.ConfigProto(device_count={'CPU': 2})
+        with tf1.Session(config=config) as sess:
+            sess.run(tf1.global_variables_initializer())
+            sess.run(train_op)
+            return [sess.run(variables[n]).tolist() for n in names]
+
+
+try:
+    out['control'] = step()
+except AttributeError:               # Keras 3: tf.layers' layer does not exist
+    out['control'] = None
+with tf1_syncbn.patch_tf_layers(num_dev=2):
+    out['patched'] = step()
 
 # patch_tf_layers
 with tf1_syncbn.patch_tf_layers(num_dev=2):
@@ -168,6 +208,17 @@ print('RESULT ' + json.dumps(out))
 SETTINGS = {'default': {}, 'legacy': {'TF_USE_LEGACY_KERAS': '1'}}
 
 
+def _one_device():
+    """The script's step on one device with the whole batch, in float64: tf.layers'
+    rules (epsilon 1e-3, the biased variance on its non-fused rank-2 path)."""
+    rng = np.random.RandomState(0)
+    x = (rng.randn(4, 3).astype(np.float32) * 2 + 1).astype(np.float64)
+    w = np.random.RandomState(1).randn(4, 3).astype(np.float32).astype(np.float64)
+    mean, variance = x.mean(0), x.var(0)
+    xhat = (x - mean) / np.sqrt(variance + 1e-3)
+    return [1 - 0.1 * (xhat * w).sum(0), -0.1 * w.sum(0), 0.5 * mean, 0.5 + 0.5 * variance]
+
+
 def _run(setting):
     env = {k: v for k, v in os.environ.items() if k != 'TF_USE_LEGACY_KERAS'}
     env.update(SETTINGS[setting], TF_CPP_MIN_LOG_LEVEL='3',
@@ -182,6 +233,15 @@ def _run(setting):
 @pytest.mark.parametrize('setting', tf_behavior.pick(SETTINGS, ['legacy']))
 def test_every_patch_by_the_names_users_call(setting):
     out = _run(setting)
+    # The patched tower loop is one device on the whole batch (numpy, float64);
+    # tf.layers' own layer, where there is one, is not.
+    expected = _one_device()
+    for got, want, name in zip(out['patched'], expected, ('gamma', 'beta', 'mean', 'variance')):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+    if out['control'] is not None:
+        assert not np.allclose(out['control'][0], expected[0], rtol=1e-3), out['control']
+    else:
+        assert setting == 'default' and not tf.__version__.startswith('2.15.'), setting
     for name in ('tf.compat.v1.layers.batch_normalization', 'tf.layers.BatchNormalization',
                  'from tensorflow.compat.v1.layers import'):
         assert out[name] == [[True, 2]], (name, out)

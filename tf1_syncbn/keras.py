@@ -25,6 +25,7 @@ imports it.
 
 import contextlib
 import importlib
+import sys
 import warnings
 
 import tensorflow as tf
@@ -369,8 +370,10 @@ def patch_keras(sync_statistics='auto', num_dev=None):
 
     The patch checks that those names (``tf.keras`` and ``tf.compat.v1.keras``
     where they are Keras 2) are this library's classes; where a TensorFlow/Keras
-    release hands them out some other way, it undoes itself and raises. Where
-    ``tf.keras`` is Keras 3 it warns that ``tf.keras`` stays Keras 3's.
+    release hands them out some other way, it undoes itself and raises. It
+    warns (:class:`tf1_syncbn.SyncBNWarning`) about the Keras it leaves alone:
+    ``tf.keras`` where it is Keras 3, and ``tf_keras`` where it is imported
+    beside TensorFlow 2.15's Keras 2.15 (which this module then subclasses).
 
     Raises:
       RuntimeError: when a patch is already active.
@@ -388,14 +391,25 @@ def patch_keras(sync_statistics='auto', num_dev=None):
                        KERAS_PACKAGE + '.src.layers.serialization').apply()
     verify('patch_keras', names, 'build tf1_syncbn.keras.BatchNormalization (or '
            'BatchNormalizationV1) in place of Keras\' layer', undo=patch.restore)
-    if _keras2.tf_keras_is_keras3():
-        warnings.warn(
-            'patch_keras: tf.keras is Keras 3 here (%s), which this patch does not switch (and '
-            'which does not build TF1 graphs): code that calls tf.keras.layers.BatchNormalization '
-            'keeps Keras 3\'s layer. %s.layers.BatchNormalization and the other tf-keras names '
-            'are switched. To switch tf.keras too, set TF_USE_LEGACY_KERAS=1 before TensorFlow '
-            'is imported.' % (_keras2.versions(), KERAS_PACKAGE), SyncBNWarning, stacklevel=2)
+    _warn_about_other_keras()
     return patch
+
+
+def _warn_about_other_keras():
+    """Says which Keras the patch leaves alone: Keras 3 as tf.keras, or tf-keras beside
+    TensorFlow 2.15's Keras 2.15 (a layer of one Keras cannot go into a model of the other)."""
+    if _keras2.tf_keras_is_keras3():
+        left, name = 'tf.keras is Keras 3, which does not build TF1 graphs', 'tf.keras'
+    elif KERAS_PACKAGE != 'tf_keras' and 'tf_keras' in sys.modules:
+        left, name = 'tf_keras is imported beside %s, which tf.keras is' % KERAS_PACKAGE, \
+            'tf_keras'
+    else:
+        return
+    warnings.warn(
+        'patch_keras: %s (%s). The patch switches %s\'s BatchNormalization only: models built '
+        'with %s.layers keep its own layer, with per-tower statistics. To switch tf-keras, set '
+        'TF_USE_LEGACY_KERAS=1 before TensorFlow is imported (tf.keras is then tf-keras).'
+        % (left, _keras2.versions(), KERAS_PACKAGE, name), SyncBNWarning, stacklevel=3)
 
 
 def _user_names(v2, v1):
