@@ -6,7 +6,8 @@ TensorFlow 2.15, Keras 3 from 2.16) and ``TF_USE_LEGACY_KERAS=1`` (tf-keras).
 In each, a ``tower_%d`` loop of ``tf.compat.v1.layers.batch_normalization``
 (2 towers of 2 rows, one SGD step) patched equals one device on the whole
 batch (numpy, float64), and tf.layers' own layer in its place, where this
-TensorFlow has one (not with Keras 3), does not. After the patch:
+TensorFlow has one (not with Keras 3), does not; the audit flags that one and
+advises ``patch_tf_layers()``, the call that made the first. After the patch:
 
 * ``patch_tf_layers(num_dev=2)``: ``tf.compat.v1.layers.batch_normalization``,
   ``tf.layers.BatchNormalization`` (``import tensorflow.compat.v1 as tf``) and
@@ -115,15 +116,16 @@ def step():
         with tf1.Session(config=config) as sess:
             sess.run(tf1.global_variables_initializer())
             sess.run(train_op)
-            return [sess.run(variables[n]).tolist() for n in names]
+            values = [sess.run(variables[n]).tolist() for n in names]
+        return values, ' '.join(audit_graph(graph, train_op).problems)
 
 
 try:
-    out['control'] = step()
+    out['control'], out['advice'] = step()
 except AttributeError:               # Keras 3: tf.layers' layer does not exist
-    out['control'] = None
-with tf1_syncbn.patch_tf_layers(num_dev=2):
-    out['patched'] = step()
+    out['control'] = out['advice'] = None
+with tf1_syncbn.patch_tf_layers(num_dev=2):      # the audit's advice, taken
+    out['patched'], out['patched problems'] = step()
 
 # patch_tf_layers
 with tf1_syncbn.patch_tf_layers(num_dev=2):
@@ -238,8 +240,11 @@ def test_every_patch_by_the_names_users_call(setting):
     expected = _one_device()
     for got, want, name in zip(out['patched'], expected, ('gamma', 'beta', 'mean', 'variance')):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+    assert out['patched problems'] == '', out
     if out['control'] is not None:
         assert not np.allclose(out['control'][0], expected[0], rtol=1e-3), out['control']
+        # The audit flags tf.layers' own layer and advises the patch that then worked.
+        assert 'patch_tf_layers()' in out['advice'], out['advice']
     else:
         assert setting == 'default' and not tf.__version__.startswith('2.15.'), setting
     for name in ('tf.compat.v1.layers.batch_normalization', 'tf.layers.BatchNormalization',
