@@ -116,11 +116,14 @@ $(TF_VERSIONS:%=venv-tf%): venv-tf%: .venv-tf%/.installed
 	touch $@
 
 # The subset in both TF behaviours, the kernels build (a fresh compile for this
-# TensorFlow, into the shared cache) and the self-test on 2 virtual CPUs.
+# TensorFlow, into the shared cache) and the self-test on 2 virtual CPUs. Only
+# the modules that mark tests are collected: collecting the others would import
+# what they import (tf-keras beside TensorFlow 2.15's Keras 2.15, for one).
+VERSION_TESTS = $(shell grep -l 'pytest.mark.versions' tests/test_*.py)
 $(TF_VERSIONS:%=test-tf%): test-tf%: .venv-tf%/.installed
 	.venv-tf$*/bin/python -m tf1_syncbn.kernels
-	TF1_SYNCBN_TEST_BEHAVIOR=v2 .venv-tf$*/bin/python -m pytest -q -m versions $(SUITE) $(PYTEST_ARGS)
-	TF1_SYNCBN_TEST_BEHAVIOR=v1 .venv-tf$*/bin/python -m pytest -q -m versions $(SUITE) $(PYTEST_ARGS)
+	TF1_SYNCBN_TEST_BEHAVIOR=v2 .venv-tf$*/bin/python -m pytest -q -m versions $(VERSION_TESTS) $(PYTEST_ARGS)
+	TF1_SYNCBN_TEST_BEHAVIOR=v1 .venv-tf$*/bin/python -m pytest -q -m versions $(VERSION_TESTS) $(PYTEST_ARGS)
 	.venv-tf$*/bin/python -m tf1_syncbn.selftest --towers 2 --steps 2
 
 test-versions: $(TEST_VERSIONS:%=test-tf%)

@@ -125,7 +125,6 @@ def _audit(reports):
     return inspect
 
 
-@pytest.mark.versions
 @pytest.mark.parametrize('kernel_impl', kernel_sets())
 def test_tower_loop_equals_one_device(reference, kernel_impl):
     """``tower_%d`` scopes, the model called per tower; the audit reports it synchronized."""
@@ -142,7 +141,6 @@ def test_tower_loop_equals_one_device(reference, kernel_impl):
         assert layer.training_towers == ('tower_0', 'tower_1') and layer.updates == 'train_op'
 
 
-@pytest.mark.versions
 def test_tower_loop_without_the_patch_is_per_tower(reference):
     reports = []
     control = app.train(SIZES, 'towers', inspect=_audit(reports))
@@ -161,7 +159,6 @@ def _tf2():
     return not tf_behavior.is_v1()
 
 
-@pytest.mark.versions
 @pytest.mark.skipif(in_child(), reason='the tower loop covers the stock kernels')
 def test_mirrored_strategy_equals_one_device(reference):
     with sync_keras.patch_keras():

@@ -7,7 +7,9 @@ In each, a ``tower_%d`` loop of ``tf.compat.v1.layers.batch_normalization``
 (2 towers of 2 rows, one SGD step) patched equals one device on the whole
 batch (numpy, float64), and tf.layers' own layer in its place, where this
 TensorFlow has one (not with Keras 3), does not; the audit flags that one and
-advises ``patch_tf_layers()``, the call that made the first. After the patch:
+advises ``patch_tf_layers()``, the call that made the first. Likewise one
+Keras 2 ``BatchNormalization`` called in both towers, under ``patch_keras``
+and not. After the patch:
 
 * ``patch_tf_layers(num_dev=2)``: ``tf.compat.v1.layers.batch_normalization``,
   ``tf.layers.BatchNormalization`` (``import tensorflow.compat.v1 as tf``) and
@@ -46,7 +48,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 SCRIPT = tf_behavior.SOURCE + r'''
-import functools, json, sys, types, warnings
+import functools, importlib, json, sys, types, warnings
 import numpy as np
 import tensorflow as tf
 import tensorflow.compat.v1 as tfv1
@@ -126,6 +128,31 @@ except AttributeError:               # Keras 3: tf.layers' layer does not exist
     out['control'] = out['advice'] = None
 with tf1_syncbn.patch_tf_layers(num_dev=2):      # the audit's advice, taken
     out['patched'], out['patched problems'] = step()
+
+def keras_step():
+    """step() with one Keras 2 BatchNormalization called in both towers (its updates run)."""
+    keras2 = importlib.import_module(sync_keras.KERAS_PACKAGE)
+    graph = tf.Graph()
+    with graph.as_default():
+        layer = keras2.layers.BatchNormalization(momentum=0.5)
+        losses = []
+        for i, (x, w) in enumerate(zip(tf.split(X, 2), tf.split(W, 2))):
+            with tf.device('/cpu:%d' % i), tf.name_scope('tower_%d' % i):
+                losses.append(tf.reduce_sum(layer(x, training=True) * w))
+        train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(tf.add_n(losses))
+        config = tf1.ConfigProto(device_count={'CPU': 2})
+        with tf1.Session(config=config) as sess:
+            sess.run(tf1.global_variables_initializer())
+            sess.run([train_op] + layer.updates)
+            return [sess.run(v).tolist() for v in (layer.gamma, layer.beta, layer.moving_mean,
+                                                   layer.moving_variance)]
+
+
+out['keras control'] = keras_step()
+with warnings.catch_warnings():
+    warnings.simplefilter('ignore')                 # Keras 3's, checked below
+    with tf1_syncbn.patch_keras(num_dev=2):
+        out['keras patched'] = keras_step()
 
 # patch_tf_layers
 with tf1_syncbn.patch_tf_layers(num_dev=2):
@@ -241,6 +268,9 @@ def test_every_patch_by_the_names_users_call(setting):
     for got, want, name in zip(out['patched'], expected, ('gamma', 'beta', 'mean', 'variance')):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
     assert out['patched problems'] == '', out
+    for got, want, name in zip(out['keras patched'], expected, ('gamma', 'beta', 'mean', 'var')):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg='Keras ' + name)
+    assert not np.allclose(out['keras control'][0], expected[0], rtol=1e-3), out
     if out['control'] is not None:
         assert not np.allclose(out['control'][0], expected[0], rtol=1e-3), out['control']
         # The audit flags tf.layers' own layer and advises the patch that then worked.
