@@ -23,8 +23,17 @@ The one place that knows how TensorFlow hands out ``tf.compat.v1.layers``:
   patch is active, an import hook puts this library's two names into that
   module as it loads (with or without tf-keras).
 
-tf-keras' and TensorFlow's own modules (``tf_keras.src``,
-``tensorflow.python``) keep tf-keras' layer, so ``slim.batch_norm``, which
+* On TensorFlow 2.15 without ``TF_USE_LEGACY_KERAS`` the loader hands out
+  Keras 2.15's legacy layers (``keras.src.legacy_tf_layers``), and keeps the
+  submodule it stands for as ``_submodule`` (``_tfll_submodule`` from 2.16):
+  the same, with Keras 2.15's objects.
+
+Once applied, the patch looks the names up as a script does and raises
+:class:`tf1_syncbn.PatchError` (after undoing itself) where one is not this
+library's (:mod:`tf1_syncbn._patch_check`).
+
+Keras' and TensorFlow's own modules (``tf_keras.src``, ``keras.src``,
+``tensorflow.python``) keep Keras' layer, so ``slim.batch_norm``, which
 builds it internally, is unchanged (use :func:`tf1_syncbn.sync_arg_scope`).
 """
 
