@@ -80,6 +80,62 @@ test: $(VENV)/.installed-test kernels lint docs
 test-v2 test-v1: $(VENV)/.installed-test kernels
 	export TF1_SYNCBN_TEST_BEHAVIOR=$(@:test-%=%); $(PY) -m pytest -q $(XDIST) $(TIMES) $(SUITE) $(PYTEST_ARGS)
 
+# Every supported TensorFlow (pyproject.toml: 2.15 to 2.21), each in its own
+# environment, from the pins below: `make venv-tf2.15` creates .venv-tf2.15;
+# `make test-tf2.15` runs the version subset there (tests marked `versions`, in
+# both TF behaviours, then the kernels build and the self-test);
+# `make test-versions` runs it on $(TEST_VERSIONS). `.venv` (make test) is the
+# newest version, with the whole suite. docs/installation.md#supported-versions.
+#   TF_PINS_<v>:  TensorFlow and the Keras it comes with (Keras 2 `keras` on
+#                 2.15, Keras 3 from 2.16);
+#   KERAS2_<v>:   tf-keras, installed without dependencies (they ask for the full
+#                 `tensorflow` distribution).
+TF_PINS_2.15 := tensorflow-cpu==2.15.1 keras==2.15.0
+KERAS2_2.15  := tf-keras==2.15.1
+TF_PINS_2.16 := tensorflow-cpu==2.16.2 keras==3.3.3
+KERAS2_2.16  := tf-keras==2.16.0
+TF_PINS_2.17 := tensorflow-cpu==2.17.1 keras==3.4.1
+KERAS2_2.17  := tf-keras==2.17.0
+TF_PINS_2.18 := tensorflow-cpu==2.18.1 keras==3.6.0
+KERAS2_2.18  := tf-keras==2.18.0
+TF_PINS_2.19 := tensorflow-cpu==2.19.1 keras==3.9.2
+KERAS2_2.19  := tf-keras==2.19.0
+TF_PINS_2.20 := tensorflow-cpu==2.20.0 keras==3.11.3
+KERAS2_2.20  := tf-keras==2.20.1
+TF_PINS_2.21 := tensorflow-cpu==2.21.0 keras==3.15.1
+KERAS2_2.21  := tf-keras==2.21.0
+TF_VERSIONS   := 2.15 2.16 2.17 2.18 2.19 2.20 2.21
+# What `make test-versions` (and CI) runs besides the full suite on .venv.
+TEST_VERSIONS ?= 2.15 2.20
+# The other packages the subset needs (no linters, docs or demo tools).
+VERSION_TEST_PINS := tf-slim==1.1.0 tensorpack==0.11 pytest "pytest-timeout>=2.1"
+
+.PHONY: $(TF_VERSIONS:%=venv-tf%) $(TF_VERSIONS:%=test-tf%) test-versions
+$(TF_VERSIONS:%=venv-tf%): venv-tf%: .venv-tf%/.installed
+
+# The stamp depends on the Makefile (the pins): a changed pin reinstalls.
+.venv-tf%/.installed: Makefile pyproject.toml
+	@test -n "$(TF_PINS_$*)" || { echo "no pins for TensorFlow $* (supported: $(TF_VERSIONS))"; exit 2; }
+	$(PYTHON) -m venv .venv-tf$*
+	.venv-tf$*/bin/python -m pip --disable-pip-version-check install -q --upgrade pip setuptools wheel
+	.venv-tf$*/bin/python -m pip --disable-pip-version-check install -q $(TF_PINS_$*) $(VERSION_TEST_PINS)
+	.venv-tf$*/bin/python -m pip --disable-pip-version-check install -q --no-deps $(KERAS2_$*)
+	.venv-tf$*/bin/python -m pip --disable-pip-version-check install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+# The subset in both TF behaviours, the kernels build (a fresh compile for this
+# TensorFlow, into the shared cache) and the self-test on 2 virtual CPUs. Only
+# the modules that mark tests are collected: collecting the others would import
+# what they import (tf-keras beside TensorFlow 2.15's Keras 2.15, for one).
+VERSION_TESTS = $(shell grep -l 'pytest.mark.versions' tests/test_*.py)
+$(TF_VERSIONS:%=test-tf%): test-tf%: .venv-tf%/.installed
+	.venv-tf$*/bin/python -m tf1_syncbn.kernels
+	TF1_SYNCBN_TEST_BEHAVIOR=v2 .venv-tf$*/bin/python -m pytest -q -m versions $(VERSION_TESTS) $(PYTEST_ARGS)
+	TF1_SYNCBN_TEST_BEHAVIOR=v1 .venv-tf$*/bin/python -m pytest -q -m versions $(VERSION_TESTS) $(PYTEST_ARGS)
+	.venv-tf$*/bin/python -m tf1_syncbn.selftest --towers 2 --steps 2
+
+test-versions: $(TEST_VERSIONS:%=test-tf%)
+
 # ruff, with the rules in pyproject.toml ([tool.ruff]).
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check --no-cache .
@@ -126,4 +182,4 @@ gpu-check:
 	$(PYTHON) tools/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache docs/_build build dist
+	rm -rf $(VENV) .venv-tf* *.egg-info .pytest_cache docs/_build build dist

@@ -89,6 +89,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         'markers', 'once: runs in the TF2-behaviour pass only; what it tests does not depend on '
         'the TF behaviour (see tf_behavior.py)')
+    config.addinivalue_line(
+        'markers', 'versions: in the subset `make test-tf<version>` runs on every supported '
+        'TensorFlow (every front-end, every patch, the Estimator harness; docs/testing.md)')
 
 
 def pytest_collection_modifyitems(config, items):

@@ -38,9 +38,20 @@ STEPS = 3
 LEARNING_RATE = 1e-5
 
 
+def keras2():
+    """The Keras 2 that ``tf.keras`` is (Keras 2.15 on TensorFlow 2.15), else tf-keras."""
+    import importlib.metadata  # noqa: PLC0415
+    if os.environ.get('TF_USE_LEGACY_KERAS') not in ('1', 'true', 'True') and \
+            importlib.metadata.version('keras').startswith('2.'):
+        import keras  # noqa: PLC0415
+        return keras
+    import tf_keras  # noqa: PLC0415 - the reference side imports it after its shim
+    return tf_keras
+
+
 def build_model():
     """The application, as its users build it (with whatever ``tf_keras.layers`` holds)."""
-    import tf_keras  # noqa: PLC0415 - the reference side imports it after its shim
+    tf_keras = keras2()
     kwargs = dict(weights=None, input_shape=INPUT, classes=CLASSES, classifier_activation=None)
     if MODEL == 'MobileNet':
         kwargs.update(alpha=0.25, dropout=0.0)

@@ -99,6 +99,7 @@ def _assert_same(ours, ref, what):
                                    err_msg='%s: %s' % (what, key))
 
 
+@pytest.mark.versions
 @pytest.mark.parametrize('name,layer,sizes,kind,mean_loss', CASES, ids=IDS)
 def test_replicas_equal_the_replaced_layer_on_one_device(reference, name, layer, sizes, kind,
                                                          mean_loss):
@@ -113,6 +114,7 @@ def test_replicas_equal_the_replaced_layer_on_one_device(reference, name, layer,
         assert any(k.startswith('copies/') and ('moving' in k or 'EMA' in k) for k in ours)
 
 
+@pytest.mark.versions
 def test_without_the_library_the_replicas_would_differ_from_one_device(reference):
     """The comparison above can fail: per-replica statistics (sync_statistics=None) do."""
     ours = train(lambda x: sync_batch_norm(x, scale=True, decay=0.9, sync_statistics=None),

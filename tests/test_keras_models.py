@@ -145,7 +145,7 @@ def test_tower_loop_without_the_patch_is_per_tower(reference):
     reports = []
     control = app.train(SIZES, 'towers', inspect=_audit(reports))
     report, modules = reports
-    assert modules == ['tf_keras.src.layers.normalization.' + (
+    assert modules == [app.keras2().__name__ + '.src.layers.normalization.' + (
         'batch_normalization_v1' if not _tf2() else 'batch_normalization')]
     assert_per_tower(control, reference)
     assert len(report.layers) == BATCH_NORMS

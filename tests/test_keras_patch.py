@@ -17,14 +17,19 @@ import subprocess
 import sys
 import types
 
+import importlib
+
 import pytest
 import tensorflow as tf
-import tf_keras
 
 import tf1_syncbn
 from tf1_syncbn import keras as sync_keras
 
+pytestmark = pytest.mark.versions
+
 tf1 = tf.compat.v1
+#: The Keras 2 that tf.keras is: tf-keras, or Keras 2.15 on TensorFlow 2.15.
+tf_keras = importlib.import_module(sync_keras.KERAS_PACKAGE)
 V2, V1 = sync_keras.KERAS_BATCH_NORMALIZATION, sync_keras.KERAS_BATCH_NORMALIZATION_V1
 
 
@@ -41,8 +46,11 @@ def _batch_norm_classes(model):
 
 
 def test_every_name_is_switched_and_restored():
-    from tf_keras.src.layers.normalization import batch_normalization, batch_normalization_v1
-    before = _module('user_model_before', 'from tf_keras.layers import BatchNormalization as BN')
+    normalization = sync_keras.KERAS_PACKAGE + '.src.layers.normalization.'
+    batch_normalization = importlib.import_module(normalization + 'batch_normalization')
+    batch_normalization_v1 = importlib.import_module(normalization + 'batch_normalization_v1')
+    before = _module('user_model_before', 'from %s.layers import BatchNormalization as BN'
+                     % sync_keras.KERAS_PACKAGE)
     try:
         with sync_keras.patch_keras(num_dev=4) as patch:
             assert patch.active
@@ -51,8 +59,8 @@ def test_every_name_is_switched_and_restored():
                 assert issubclass(name, sync_keras.BatchNormalization), name
             assert issubclass(batch_normalization_v1.BatchNormalization,
                               sync_keras.BatchNormalizationV1)
-            during = _module('user_model_during',
-                             'from tf_keras.layers import BatchNormalization')
+            during = _module('user_model_during', 'from %s.layers import BatchNormalization'
+                             % sync_keras.KERAS_PACKAGE)
             assert issubclass(during.BatchNormalization, sync_keras.BatchNormalization)
             with tf.Graph().as_default():
                 layer = tf_keras.layers.BatchNormalization()
@@ -76,7 +84,8 @@ def test_every_name_is_switched_and_restored():
         assert batch_normalization_v1.BatchNormalization is V1
         assert before.BN is V2 and during.BatchNormalization is V2
         # What tf_keras.applications build their layers from (VersionAwareLayers):
-        from tf_keras.src.layers import VersionAwareLayers
+        VersionAwareLayers = importlib.import_module(  # noqa: N806 - the class
+            sync_keras.KERAS_PACKAGE + '.src.layers').VersionAwareLayers
         assert VersionAwareLayers().BatchNormalization is (
             V2 if tf.__internal__.tf2.enabled() else V1)
     finally:
@@ -97,6 +106,9 @@ SCRIPT = '''
 import json, os, sys
 import tensorflow as tf
 
+# tf.keras reads TF_USE_LEGACY_KERAS when first used: tf-keras from here on
+# (and the Keras 2 of tf1_syncbn.keras, on TensorFlow 2.15 too).
+os.environ['TF_USE_LEGACY_KERAS'] = '1'
 result = {}
 import tf1_syncbn
 result['imported_tf_keras'] = 'tf_keras' in sys.modules
@@ -119,8 +131,6 @@ except ImportError as e:
 sys.meta_path.pop(0)
 
 import tf1_syncbn.keras as sync_keras
-# tf.keras reads TF_USE_LEGACY_KERAS when first used: tf-keras from here on.
-os.environ['TF_USE_LEGACY_KERAS'] = '1'
 with sync_keras.patch_keras():
     result['tf.keras'] = tf.keras.layers.BatchNormalization.__module__
     result['tf.compat.v1.keras'] = tf.compat.v1.keras.layers.BatchNormalization.__module__
@@ -148,7 +158,8 @@ print('RESULT result.json')
 
 @pytest.mark.once      # a fresh interpreter in eager mode, whatever the pass's behaviour
 def test_tf_keras_paths_import_error_and_eager_errors(tmp_path):
-    """A fresh interpreter, eager execution on (TF2's default); then TF_USE_LEGACY_KERAS=1.
+    """A fresh interpreter, eager execution on (TF2's default); TF_USE_LEGACY_KERAS=1
+    set after ``import tensorflow``.
 
     (With ``TF_USE_LEGACY_KERAS=1`` from the start, ``import tensorflow``
     itself imports tf-keras.)

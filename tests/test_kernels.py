@@ -38,6 +38,7 @@ def _subprocess_env(**extra):
 BUILD = 'the build and its cache, whatever the TF behaviour'
 
 
+@pytest.mark.versions
 def test_kernels_compile_and_load_here():
     # make test installs a compiler-equipped environment: the fast path must work.
     assert kernels.load() is not None, kernels.status()
@@ -112,6 +113,7 @@ def _pack(x, axes):
     return np.concatenate([[n], n * mu, m2 + n * mu * mu])
 
 
+@pytest.mark.versions
 @pytest.mark.parametrize('dtype', ['float32', 'float16', 'bfloat16'])
 @pytest.mark.parametrize('fmt', ['NHWC', 'NCHW'])
 def test_kernel_ops_against_numpy(graph, rng, dtype, fmt):

@@ -102,6 +102,15 @@ def test_an_unmodified_tf_layers_script_on_4_towers_is_tf_layers_on_one(referenc
         # Patched again with tf-keras loaded: a module's imported name too.
         assert patch['loaded'] == {'during': [ours_module, ours_module],
                                    'after': [keras, keras]}
+    elif tf.__version__.startswith('2.15.'):
+        # Plain TensorFlow 2.15: tf.compat.v1.layers is Keras 2.15's legacy layers.
+        keras = 'keras.src.legacy_tf_layers.'
+        assert patch['before'] == keras + 'normalization'
+        assert patch['during'] == {'batch_normalization': ours_module,
+                                   'BatchNormalization': ours_module,
+                                   'conv2d': keras + 'convolutional', 'dense': keras + 'core'}
+        assert patch['after'] == dict.fromkeys(('batch_normalization', 'BatchNormalization'),
+                                               keras + 'normalization')
     else:
         assert patch['before'] == KERAS_3_ERROR % 'batch_normalization'
         assert patch['during'] == {'batch_normalization': ours_module,

@@ -409,6 +409,7 @@ def test_patch_lasts_until_the_last_of_several_threads_leaves():
     assert layers_module.batch_norm is original and slim.batch_norm is original
 
 
+@pytest.mark.versions
 def test_sync_arg_scope_converts_the_current_scope():
     with slim.arg_scope(vgg.vgg_arg_scope()):
         with sync_arg_scope(add_normalizer_to=[slim.conv2d], decay=0.8) as sc:

@@ -46,6 +46,7 @@ def _fused_reference(graph, shape):
     [3, 0, 2, 4],        # one empty tower
     [1, 2, 1, 3, 2, 1, 2, 4],  # 8 towers
 ])
+@pytest.mark.versions
 def test_towers_equal_fused_on_concatenated_batch(graph, rng, sizes):
     shape = (None, 4, 3, 5)
     net = build_towers(_layer(), len(sizes), shape)

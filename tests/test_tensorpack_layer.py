@@ -76,6 +76,7 @@ def test_use_local_stat_is_training(graph, rng):
     ((5, 4), 'channels_first', None), ((3, 3, 5), 'channels_last', None),
     ((5, 3, 3), 'channels_first', None), ((2, 2, 2, 5), 'channels_last', None),
     ((5, 2, 2, 2), 'channels_first', None), ((5, 3, 3), 'channels_last', 1)])
+@pytest.mark.versions
 def test_ranks_and_formats_synced(graph, rng, example_shape, data_format, axis):
     sizes = [2, 3]
     net = build_towers(lambda x: BatchNorm('bn', x, axis=axis, data_format=data_format,
@@ -389,6 +390,7 @@ PARITY_CASES = [
 ]
 
 
+@pytest.mark.versions
 def test_parity_with_tensorpack_and_checkpoint_restore(graph, tmp_path):
     run_reference(TENSORPACK_SCRIPT, tmp_path, args=[json.dumps(PARITY_CASES)])
     ref = np.load(tmp_path / 'result.npz')

@@ -11,7 +11,11 @@ tensorpack's after ``restore``.
 
 import json
 
+import pytest
+
 from legacy_reference import run_reference
+
+pytestmark = pytest.mark.versions
 
 SCRIPT = r'''
 import json, sys, types

@@ -22,6 +22,8 @@ import pytest
 
 import tf_behavior
 
+pytestmark = pytest.mark.versions
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 

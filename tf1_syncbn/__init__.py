@@ -20,6 +20,8 @@
   trainers, ``tower_<i>`` / ``clone_<i>`` name scopes (with ``num_dev``) and
   ``tf.distribute`` strategies (``strategy.run`` in a TF1 graph).
 * :class:`SyncBNWarning`: warned when a layer that could synchronize does not.
+* :class:`PatchError`: raised by a patch that cannot make the names users
+  call resolve to this library's layer on this TensorFlow/Keras.
 * Backends: :class:`CollectiveBackend`, :class:`NcclBackend`,
   :class:`HorovodBackend` (or the strings ``'collective'``, ``'nccl'``,
   ``'horovod'``, ``'auto'``).
@@ -38,6 +40,7 @@ from tf1_syncbn.tensorpack_compat import patch_tensorpack
 from tf1_syncbn import layers
 from tf1_syncbn.tf_layers_compat import patch_tf_layers
 from tf1_syncbn._group import SyncBNWarning
+from tf1_syncbn._patch_check import PatchError
 from tf1_syncbn.distributed import (Cluster, ClusterError, DistributedOptimizer, PeerMissingError,
                                     WorkerLostError, WorkerSession, all_reduce_gradients,
                                     average_across_workers, broadcast_variables, setup_cluster)
@@ -47,7 +50,8 @@ from tf1_syncbn import kernels as _kernels
 
 __all__ = ['sync_batch_norm', 'BatchNorm', 'BatchRenorm', 'start_finetuning', 'SyncBackend',
            'SyncKey', 'CollectiveBackend', 'NcclBackend', 'HorovodBackend']
-__all__ += ['sync_arg_scope', 'convert_arg_scope', 'patch_tensorpack', 'SyncBNWarning']
+__all__ += ['sync_arg_scope', 'convert_arg_scope', 'patch_tensorpack', 'SyncBNWarning',
+            'PatchError']
 __all__ += ['layers', 'patch_tf_layers']
 __all__ += ['setup_cluster', 'Cluster', 'DistributedOptimizer', 'all_reduce_gradients',
             'average_across_workers', 'broadcast_variables', 'WorkerSession', 'ClusterError',

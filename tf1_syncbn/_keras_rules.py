@@ -73,8 +73,9 @@ def keras_channel_axes(layer, axes, axis_argument, virtual_batch_size):
     return axes
 
 
-#: tf-keras' ``Model.build``: where it is defined.
-_MODEL_BUILD = ('build', os.path.join('tf_keras', 'src', 'engine', 'training.py'))
+#: Keras 2's ``Model.build``: where it is defined (``tf_keras/src/...``, and
+#: ``keras/src/...`` in TensorFlow 2.15's Keras 2.15; the suffix matches both).
+_MODEL_BUILD = ('build', os.path.join('keras', 'src', 'engine', 'training.py'))
 
 
 def in_keras_model_build():

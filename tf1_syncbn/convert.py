@@ -66,6 +66,7 @@ import threading
 
 from tf_slim.ops import arg_scope as slim_arg_scope
 
+from tf1_syncbn._patch_check import Name, getattr_path, verify
 from tf1_syncbn.slim_layer import sync_batch_norm
 
 __all__ = ['sync_arg_scope', 'convert_arg_scope', 'patch_slim_batch_norm',
@@ -320,14 +321,57 @@ def sync_arg_scope(scope=None, sync_statistics='auto', add_normalizer_to=(), pat
     Yields:
       The converted arg-scope dict.
 
+    Inside the block it checks that ``slim.batch_norm`` and the module
+    attributes it patched name :func:`sync_batch_norm` and that no
+    ``normalizer_fn`` of the arg scope in force is ``slim.batch_norm``; where a
+    tf-slim/TensorFlow release defeats that, it undoes both and raises.
+
     Raises:
       TypeError: see :func:`convert_arg_scope` and :func:`patch_slim_batch_norm`.
+      tf1_syncbn.PatchError: when a name above is not :func:`sync_batch_norm`
+        (the message names the TensorFlow and Keras versions).
     """
     if scope is None:
         scope = slim_arg_scope.current_arg_scope()
     converted = convert_arg_scope(scope, sync_statistics=sync_statistics,
                                   add_normalizer_to=add_normalizer_to, **bn_overrides)
     with contextlib.ExitStack() as stack:
-        if patch:
-            stack.enter_context(patch_slim_batch_norm(modules))
-        yield stack.enter_context(slim_arg_scope.arg_scope(converted))
+        patched = stack.enter_context(patch_slim_batch_norm(modules)) if patch else []
+        entered = stack.enter_context(slim_arg_scope.arg_scope(converted))
+        # On an error the stack undoes the patch and the arg scope.
+        verify('sync_arg_scope', _user_names(patched), _INSTEAD)
+        yield entered
+
+
+_INSTEAD = ('pass normalizer_fn=tf1_syncbn.sync_batch_norm in the model\'s arg scope and call '
+            'tf1_syncbn.sync_batch_norm where the model calls slim.batch_norm')
+
+
+def _user_names(patched):
+    """How a slim model reaches batch norm inside the block (:mod:`tf1_syncbn._patch_check`).
+
+    ``slim.batch_norm``, ``slim.layers.batch_norm`` and the module attribute
+    that ``tf_slim.nets`` call (``tf_slim.layers.layers.batch_norm``), with
+    the patch; and each ``normalizer_fn`` of the arg scope now in force.
+    """
+    def module(name):
+        return lambda: importlib.import_module(name)
+
+    def ours(value):
+        return value is sync_batch_norm
+
+    names = []
+    modules = {id(m): m for m, _ in patched}
+    for name in ('tf_slim', 'tf_slim.layers', _SLIM_LAYERS_MODULE):
+        if id(sys.modules.get(name)) in modules:
+            names.append(Name(name.replace('tf_slim', 'slim', 1) + '.batch_norm',
+                              getattr_path(module(name), 'batch_norm'), ours))
+    for target in modules.values():
+        names.append(Name('%s.batch_norm' % target.__name__,
+                          getattr_path(lambda target=target: target, 'batch_norm'), ours))
+    for key, kwargs in slim_arg_scope.current_arg_scope().items():
+        if 'normalizer_fn' in kwargs:
+            names.append(Name('normalizer_fn of the arg_scope entry %s' % key,
+                              lambda kwargs=kwargs: kwargs['normalizer_fn'],
+                              lambda value: not is_slim_batch_norm(value)))
+    return names

@@ -1,4 +1,8 @@
-"""tf-keras' (Keras 2) ``BatchNormalization``, synchronized, for Keras models in TF1 graphs.
+"""Keras 2's ``BatchNormalization``, synchronized, for Keras models in TF1 graphs.
+
+Keras 2 is tf-keras (the package ``tf_keras``), or on TensorFlow 2.15 the
+``keras`` 2.15 that ``tf.keras`` is there (:data:`KERAS_PACKAGE`; below,
+"tf-keras" stands for either).
 
 * :class:`BatchNormalization`: ``tf_keras.layers.BatchNormalization`` (what
   ``tf.keras.layers.BatchNormalization`` is with ``TF_USE_LEGACY_KERAS=1``),
@@ -20,24 +24,14 @@ imports it.
 """
 
 import contextlib
+import importlib
+import sys
 import warnings
 
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util_v2
 
-try:
-    import tf_keras  # noqa: F401 - the package whose layer this module subclasses
-    from tf_keras.src.engine import base_layer_utils as _keras_layer_utils
-    from tf_keras.src.layers.normalization import batch_normalization as _keras_bn
-    from tf_keras.src.layers.normalization import batch_normalization_v1 as _keras_bn_v1
-except ImportError as _error:  # the message says how to install it
-    _version = '.'.join(tf.__version__.split('.')[:2])
-    raise ImportError(
-        'tf1_syncbn.keras needs tf-keras (Keras 2, the package `tf_keras`), which could not '
-        'be imported (%s). Install the release that matches TensorFlow %s, without its '
-        'dependencies (they ask for the full `tensorflow` package): '
-        'pip install --no-deps "tf-keras~=%s.0"' % (_error, tf.__version__, _version)) from _error
-
+from tf1_syncbn import _keras2
 from tf1_syncbn._axes import adjustment_in_view, from_view, needs_view, plan_view, to_view
 from tf1_syncbn._core import batch_norm
 from tf1_syncbn._keras_rules import (check_keras_graph, in_keras_model_build, is_model_graph_call,
@@ -45,7 +39,30 @@ from tf1_syncbn._keras_rules import (check_keras_graph, in_keras_model_build, is
 from tf1_syncbn._options import check_inputs, check_options
 from tf1_syncbn._tf_layers_rules import ghost_batches_in_training
 from tf1_syncbn.keras_compat import ClassPatch, class_with_defaults
+from tf1_syncbn._group import SyncBNWarning
+from tf1_syncbn._patch_check import Name, getattr_path, failures, verify
 from tf1_syncbn._variables import Params, RenormVariables
+
+#: The Keras 2 package whose layers this module subclasses: ``tf_keras``, or
+#: ``keras`` where ``tf.keras`` is Keras 2.15 (TensorFlow 2.15 without
+#: ``TF_USE_LEGACY_KERAS``); see :mod:`tf1_syncbn._keras2`.
+KERAS_PACKAGE = _keras2.package()
+try:
+    importlib.import_module(KERAS_PACKAGE)
+    _keras_layer_utils = importlib.import_module(KERAS_PACKAGE + '.src.engine.base_layer_utils')
+    _keras_bn = importlib.import_module(KERAS_PACKAGE +
+                                        '.src.layers.normalization.batch_normalization')
+    _keras_bn_v1 = importlib.import_module(KERAS_PACKAGE +
+                                           '.src.layers.normalization.batch_normalization_v1')
+except ImportError as _error:  # the message says how to install it
+    _version = '.'.join(tf.__version__.split('.')[:2])
+    raise ImportError(
+        'tf1_syncbn.keras needs Keras 2: tf-keras (the package `tf_keras`), or on TensorFlow '
+        '2.15 the `keras` 2.15 it comes with; %s could not be imported (%s). Install the '
+        'tf-keras release that matches TensorFlow %s, without its dependencies (they ask for '
+        'the full `tensorflow` package): pip install --no-deps "tf-keras~=%s.0"'
+        % (KERAS_PACKAGE, _error, tf.__version__, _version)) from _error
+
 
 __all__ = ['BatchNormalization', 'BatchNormalizationV1', 'patch_keras']
 
@@ -354,11 +371,76 @@ def patch_keras(sync_statistics='auto', num_dev=None):
     Returns:
       A handle with ``restore()``, usable as a context manager.
 
+    The patch checks that those names (``tf.keras`` and ``tf.compat.v1.keras``
+    where they are Keras 2) are this library's classes; where a TensorFlow/Keras
+    release hands them out some other way, it undoes itself and raises. It
+    warns (:class:`tf1_syncbn.SyncBNWarning`) about the Keras it leaves alone:
+    ``tf.keras`` where it is Keras 3, and ``tf_keras`` where it is imported
+    beside TensorFlow 2.15's Keras 2.15 (which this module then subclasses).
+
     Raises:
       RuntimeError: when a patch is already active.
+      tf1_syncbn.PatchError: when a name above is not this library's class
+        after the patch (the message names the TensorFlow and Keras versions);
+        build :class:`BatchNormalization` directly instead.
     """
     defaults = {'sync_statistics': sync_statistics, 'num_dev': num_dev}
-    return ClassPatch('patch_keras', {
-        KERAS_BATCH_NORMALIZATION: class_with_defaults(BatchNormalization, defaults),
-        KERAS_BATCH_NORMALIZATION_V1: class_with_defaults(BatchNormalizationV1, defaults),
-    }).apply()
+    v2 = class_with_defaults(BatchNormalization, defaults)
+    v1 = class_with_defaults(BatchNormalizationV1, defaults)
+    names = _user_names(v2, v1)
+    failures(names)         # loads the modules the names go through, so that they are patched
+    patch = ClassPatch('patch_keras', {KERAS_BATCH_NORMALIZATION: v2,
+                                       KERAS_BATCH_NORMALIZATION_V1: v1},
+                       KERAS_PACKAGE + '.src.layers.serialization').apply()
+    verify('patch_keras', names, 'build tf1_syncbn.keras.BatchNormalization (or '
+           'BatchNormalizationV1) in place of Keras\' layer', undo=patch.restore)
+    _warn_about_other_keras()
+    return patch
+
+
+def _warn_about_other_keras():
+    """Says which Keras the patch leaves alone: Keras 3 as tf.keras, or tf-keras beside
+    TensorFlow 2.15's Keras 2.15 (a layer of one Keras cannot go into a model of the other)."""
+    if _keras2.tf_keras_is_keras3():
+        left, name = 'tf.keras is Keras 3, which does not build TF1 graphs', 'tf.keras'
+    elif KERAS_PACKAGE != 'tf_keras' and 'tf_keras' in sys.modules:
+        left, name = 'tf_keras is imported beside %s, which tf.keras is' % KERAS_PACKAGE, \
+            'tf_keras'
+    else:
+        return
+    warnings.warn(
+        'patch_keras: %s (%s). The patch switches %s\'s BatchNormalization only: models built '
+        'with %s.layers keep its own layer, with per-tower statistics. To switch tf-keras, set '
+        'TF_USE_LEGACY_KERAS=1 before TensorFlow is imported (tf.keras is then tf-keras).'
+        % (left, _keras2.versions(), KERAS_PACKAGE, name), SyncBNWarning, stacklevel=3)
+
+
+def _user_names(v2, v1):
+    """The names existing Keras code reaches Keras 2's layer by (:mod:`tf1_syncbn._patch_check`).
+
+    ``tf.keras`` and ``tf.compat.v1.keras`` only where they are this Keras 2 package.
+    """
+    def package():
+        return importlib.import_module(KERAS_PACKAGE)
+
+    def module():
+        return _keras_bn
+
+    def applications():
+        return importlib.import_module(KERAS_PACKAGE + '.src.layers').VersionAwareLayers()
+
+    names = [
+        Name(KERAS_PACKAGE + '.layers.BatchNormalization',
+             getattr_path(package, 'layers.BatchNormalization'), lambda c: c is v2),
+        Name(_keras_bn.__name__ + '.BatchNormalization',
+             getattr_path(module, 'BatchNormalization'), lambda c: c is v2),
+        Name('the layers of %s.applications (VersionAwareLayers)' % KERAS_PACKAGE,
+             getattr_path(applications, 'BatchNormalization'), lambda c: c is v2 or c is v1)]
+    if not _keras2.tf_keras_is_keras3():
+        names += [
+            Name('tf.keras.layers.BatchNormalization',
+                 getattr_path(lambda: tf, 'keras.layers.BatchNormalization'), lambda c: c is v2),
+            Name('tf.compat.v1.keras.layers.BatchNormalization',
+                 getattr_path(lambda: tf, 'compat.v1.keras.layers.BatchNormalization'),
+                 lambda c: c is v1)]
+    return names

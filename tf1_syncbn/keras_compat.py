@@ -8,7 +8,9 @@ Existing Keras code reaches tf-keras' ``BatchNormalization`` in many ways:
 import BatchNormalization as BN``), and, in ``tf_keras.applications`` and
 model deserialization, a per-thread table that tf-keras fills from its
 layer modules (``tf_keras.src.layers.serialization.LOCAL.ALL_OBJECTS``,
-read by ``VersionAwareLayers``). :class:`ClassPatch` replaces:
+read by ``VersionAwareLayers``). On TensorFlow 2.15 the same holds for Keras
+2.15 (the package ``keras``, what ``tf.keras`` is there). :class:`ClassPatch`
+replaces:
 
 * every attribute, in every loaded module (and the module a TensorFlow
   module wrapper wraps), that *is* one of the original classes, under any
@@ -29,8 +31,6 @@ from tf1_syncbn._modules import loaded_modules, namespace
 
 __all__ = ['ClassPatch', 'class_with_defaults']
 
-#: The module whose ``LOCAL`` caches tf-keras' layer classes per thread.
-_SERIALIZATION_MODULE = 'tf_keras.src.layers.serialization'
 #: Modules that keep the original classes (this library's own references).
 _OWN = ('tf1_syncbn.', 'tf1_syncbn')
 _LOCK = threading.Lock()
@@ -64,11 +64,15 @@ class ClassPatch(object):
     Args:
       api: the patching function's name, for messages.
       replacements: ``{original class: replacement class}``.
+      serialization_module: the name of the module whose ``LOCAL`` caches the
+        Keras package's layer classes per thread
+        (``'tf_keras.src.layers.serialization'``).
     """
 
-    def __init__(self, api, replacements):
+    def __init__(self, api, replacements, serialization_module):
         self._api = api
         self._replacements = dict(replacements)
+        self._serialization_module = serialization_module
         self._undo = []                        # callables, run in reverse by restore()
         self._active = False
 
@@ -113,7 +117,7 @@ class ClassPatch(object):
             for attribute, value in list(space.items()):
                 if id(value) in originals:
                     self._set(space, attribute, originals[id(value)])
-        serialization = sys.modules.get(_SERIALIZATION_MODULE)
+        serialization = sys.modules.get(self._serialization_module)
         if serialization is not None:
             self._set(vars(serialization), 'LOCAL', threading.local())
 

@@ -17,11 +17,13 @@ argscope is read only when the user's program has imported tensorpack.
 """
 
 import functools
+import importlib
 import inspect
 import sys
 import threading
 
 from tf1_syncbn._modules import loaded_modules, namespace
+from tf1_syncbn._patch_check import Name, getattr_path, verify
 
 __all__ = ['patch_tensorpack', 'tensorpack_layer']
 
@@ -163,8 +165,16 @@ def patch_tensorpack(sync_statistics=None, **defaults):
     Returns:
       A handle with ``restore()``, usable as a context manager.
 
+    The patch checks that ``tensorpack.BatchNorm``, ``tensorpack.models.BatchNorm``
+    and the layer ``LinearWrap`` finds (``BatchRenorm`` likewise) are this
+    library's; where a tensorpack/TensorFlow release hands them out some other
+    way, it undoes itself and raises.
+
     Raises:
       ImportError: when tensorpack is not installed.
+      tf1_syncbn.PatchError: when a name above is not this library's layer after
+        the patch (the message names the TensorFlow and Keras versions); call
+        :func:`tf1_syncbn.BatchNorm` directly instead.
     """
     from tensorpack.models import batch_norm as tp_batch_norm  # noqa: PLC0415
     from tensorpack.models import registry as tp_registry  # noqa: PLC0415
@@ -191,4 +201,26 @@ def patch_tensorpack(sync_statistics=None, **defaults):
     registry.update(ours)
     with _LOCK:
         _DEFAULTS.update(per_layer)
-    return _Patch(replaced, registry, registry_originals, per_layer)
+    patch = _Patch(replaced, registry, registry_originals, per_layer)
+    verify('patch_tensorpack', _user_names(ours), 'call tf1_syncbn.BatchNorm / '
+           "tf1_syncbn.BatchRenorm (tensorpack's arguments, plus sync_statistics='auto') in "
+           "place of tensorpack's", undo=patch.restore)
+    return patch
+
+
+def _user_names(ours):
+    """How tensorpack code reaches its layers: ``tensorpack.BatchNorm``, ``tensorpack.models``,
+    the defining module, and the registry ``LinearWrap(x).BatchNorm(...)`` looks layers up in."""
+    def module(name):
+        return lambda: importlib.import_module(name)
+
+    names = []
+    for name, layer in ours.items():
+        def accept(value, layer=layer):
+            return value is layer
+        for where in ('tensorpack', 'tensorpack.models', 'tensorpack.models.batch_norm'):
+            names.append(Name('%s.%s' % (where, name), getattr_path(module(where), name), accept))
+        names.append(Name('LinearWrap(x).%s' % name,
+                          lambda name=name: importlib.import_module(
+                              'tensorpack.models.registry').get_registered_layer(name), accept))
+    return names

@@ -23,12 +23,22 @@ The one place that knows how TensorFlow hands out ``tf.compat.v1.layers``:
   patch is active, an import hook puts this library's two names into that
   module as it loads (with or without tf-keras).
 
-tf-keras' and TensorFlow's own modules (``tf_keras.src``,
-``tensorflow.python``) keep tf-keras' layer, so ``slim.batch_norm``, which
+* On TensorFlow 2.15 without ``TF_USE_LEGACY_KERAS`` the loader hands out
+  Keras 2.15's legacy layers (``keras.src.legacy_tf_layers``), and keeps the
+  submodule it stands for as ``_submodule`` (``_tfll_submodule`` from 2.16):
+  the same, with Keras 2.15's objects.
+
+Once applied, the patch looks the names up as a script does and raises
+:class:`tf1_syncbn.PatchError` (after undoing itself) where one is not this
+library's (:mod:`tf1_syncbn._patch_check`).
+
+Keras' and TensorFlow's own modules (``tf_keras.src``, ``keras.src``,
+``tensorflow.python``) keep Keras' layer, so ``slim.batch_norm``, which
 builds it internally, is unchanged (use :func:`tf1_syncbn.sync_arg_scope`).
 """
 
 import functools
+import importlib
 import importlib.abc
 import sys
 import threading
@@ -36,16 +46,22 @@ import types
 
 from tf1_syncbn import layers
 from tf1_syncbn._modules import loaded_modules, namespace
+from tf1_syncbn._patch_check import Name, getattr_path, verify
 
 __all__ = ['patch_tf_layers']
 
 _NAMES = ('batch_normalization', 'BatchNormalization')
-#: tf-keras' module that defines the replaced objects (it also holds aliases).
-_KERAS_MODULE = 'tf_keras.src.legacy_tf_layers.normalization'
-#: Modules whose own references stay tf-keras' (the libraries' internals).
-_INTERNAL = ('tf_keras.src.', 'tensorflow.python.')
+#: The modules that define the replaced objects (they also hold aliases): tf-keras'
+#: and, on TensorFlow 2.15, Keras 2.15's (``tf.compat.v1.layers`` without
+#: ``TF_USE_LEGACY_KERAS``).
+_KERAS_MODULES = ('tf_keras.src.legacy_tf_layers.normalization',
+                  'keras.src.legacy_tf_layers.normalization')
+#: Modules whose own references stay Keras' (the libraries' internals).
+_INTERNAL = ('tf_keras.src.', 'keras.src.', 'tensorflow.python.')
 #: The submodule TensorFlow's lazy loader of ``tf.compat.v1.layers`` resolves.
 _LOADER_SUBMODULE = '__internal__.legacy.layers'
+#: Where the loader keeps it: ``_tfll_submodule`` from TensorFlow 2.16, ``_submodule`` on 2.15.
+_LOADER_SUBMODULE_ATTRIBUTES = ('_tfll_submodule', '_submodule')
 #: The module an import statement loads in the loader's place.
 _IMPORTED_MODULE = 'tensorflow.compat.v1.layers'
 _MISSING = object()
@@ -56,7 +72,8 @@ _ACTIVE = []      # the active patch, if any
 def _is_layers_loader(value):
     """Whether ``value`` is TensorFlow's lazy loader of ``tf.compat.v1.layers``."""
     space = namespace(value) if isinstance(value, types.ModuleType) else None
-    return space is not None and space.get('_tfll_submodule') == _LOADER_SUBMODULE
+    return space is not None and any(space.get(attribute) == _LOADER_SUBMODULE
+                                     for attribute in _LOADER_SUBMODULE_ATTRIBUTES)
 
 
 class _ImportHook(importlib.abc.MetaPathFinder):
@@ -148,6 +165,9 @@ class _Patch(object):
                 for name in _NAMES:
                     self._set(module, name, self._replacements[name])
                 self._apply()
+            verify('patch_tf_layers', _names_in(module, self._replacements,
+                                                'from tensorflow.compat.v1.layers import %s'),
+                   _INSTEAD, undo=self.restore)
 
         hook = _ImportHook(_IMPORTED_MODULE, on_import)
         sys.meta_path.insert(0, hook)
@@ -159,9 +179,8 @@ class _Patch(object):
 
     def _apply(self):
         """Replaces tf-keras' objects in every loaded module and ``tf.compat.v1.layers``."""
-        keras = sys.modules.get(_KERAS_MODULE)
         originals = {}
-        if keras is not None:
+        for keras in filter(None, map(sys.modules.get, _KERAS_MODULES)):
             for alias, name in (('batch_normalization', 'batch_normalization'),
                                 ('batch_norm', 'batch_normalization'),
                                 ('BatchNormalization', 'BatchNormalization'),
@@ -215,6 +234,41 @@ class _Patch(object):
         return False
 
 
+#: What to do where the patch cannot take effect.
+_INSTEAD = ('call tf1_syncbn.layers.batch_normalization or tf1_syncbn.layers.BatchNormalization '
+            'directly (tf.layers\' arguments, plus num_dev for tower_<i> loops)')
+
+
+def _names_in(space, replacements, spelling):
+    """The two names as user code reads them from ``space`` (a module or TensorFlow's loader)."""
+    def resolve(name):
+        return lambda: getattr(space, name)
+    return [Name(spelling % name, resolve(name), lambda value, name=name:
+                 value is replacements[name]) for name in _NAMES]
+
+
+def _user_names(replacements):
+    """Every way a script reaches tf.layers' batch normalization (see ``_patch_check``)."""
+    def tensorflow():
+        return importlib.import_module('tensorflow')
+
+    def compat_v1():
+        return importlib.import_module('tensorflow.compat.v1')
+
+    names = []
+    for name in _NAMES:
+        def ours(value, name=name):
+            return value is replacements[name]
+        names.append(Name('tf.compat.v1.layers.' + name,
+                          getattr_path(tensorflow, 'compat.v1.layers.' + name), ours))
+        names.append(Name('tf.layers.%s (import tensorflow.compat.v1 as tf)' % name,
+                          getattr_path(compat_v1, 'layers.' + name), ours))
+    imported = sys.modules.get(_IMPORTED_MODULE)
+    if imported is not None and not _is_layers_loader(imported):
+        names += _names_in(imported, replacements, 'from tensorflow.compat.v1.layers import %s')
+    return names
+
+
 def _replacements(sync_statistics, num_dev):
     """This library's two objects, with the patch's defaults for its own arguments."""
     defaults = {'sync_statistics': sync_statistics, 'num_dev': num_dev}
@@ -264,8 +318,19 @@ def patch_tf_layers(sync_statistics='auto', num_dev=None):
     Returns:
       A handle with ``restore()``, usable as a context manager.
 
+    The patch checks that ``tf.compat.v1.layers.batch_normalization``,
+    ``.BatchNormalization`` (``tf.layers`` with ``import tensorflow.compat.v1
+    as tf``) and, once imported, ``from tensorflow.compat.v1.layers import
+    ...`` are this library's; where a TensorFlow/Keras release hands them out
+    some other way, it undoes itself and raises (the import raises, for an
+    import after the patch) instead of leaving the script on per-tower
+    statistics.
+
     Raises:
       RuntimeError: when a patch is already active.
+      tf1_syncbn.PatchError: when a name above is not this library's layer
+        after the patch: the message names the TensorFlow and Keras versions;
+        call :func:`tf1_syncbn.layers.batch_normalization` directly instead.
     """
     with _LOCK:
         if _ACTIVE:
@@ -285,4 +350,8 @@ def patch_tf_layers(sync_statistics='auto', num_dev=None):
                 patch._undo.pop()()  # noqa: SLF001
             raise
         _ACTIVE.append(patch)
+    # Outside the lock: a name the patch missed makes TensorFlow's loader import
+    # Keras, which runs the patch's hook.
+    verify('patch_tf_layers', _user_names(patch._replacements), _INSTEAD,  # noqa: SLF001
+           undo=patch.restore)
     return patch
