@@ -116,7 +116,7 @@ import tf_slim as slim  # noqa: E402
 from tf1_syncbn import DistributedOptimizer, audit_graph, sync_batch_norm  # noqa: E402
 from tf1_syncbn.distributed import (ClusterError, WorkerSession,  # noqa: E402
                                     average_across_workers, hard_exit, setup_cluster)
-from tf1_syncbn.restarts import restart_count  # noqa: E402
+from tf1_syncbn.distributed.restarts import restart_count  # noqa: E402
 from tower import call_for_each_tower, get_current_tower_context  # noqa: E402
 
 tf1 = tf.compat.v1

@@ -120,7 +120,7 @@ PARITY_CASES = [
     # several axes, which tf.layers always normalizes without its fused
     # kernel (biased variance), with variables of shape [C] for one axis and
     # the input's shape with 1 elsewhere for several. Here the core
-    # normalizes a view (tf1_syncbn._axes): a middle axis folded into a free
+    # normalizes a view (tf1_syncbn._core.axes): a middle axis folded into a free
     # reshape [N*P, C, Q, 1]; contiguous axes at the start [N, C, S, 1] or
     # end [N, S, 1, C]; axes apart transposed to [N, ..., axes].
     _case('rank4-axis2-middle', axis=2, shape=[8, 2, 3, 2]),

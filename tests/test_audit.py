@@ -221,7 +221,7 @@ def test_inference_mode_in_a_training_tower_is_a_note_only():
 
 
 def test_nccl_layers_report_their_backend(monkeypatch):
-    monkeypatch.setattr(backends, 'physical_gpu_count', lambda: 2)
+    monkeypatch.setattr(backends.base, 'physical_gpu_count', lambda: 2)
     graph = tf.Graph()
     with graph.as_default():
         ys = call_for_each_tower(lambda: sync_batch_norm(

@@ -58,7 +58,7 @@ def test_cpu_towers_use_the_kernels_when_enabled(graph, custom):
 def test_gpu_towers_use_stock_kernels(graph, monkeypatch):
     from tower import call_for_each_tower
     from tf1_syncbn import backends
-    monkeypatch.setattr(backends, 'physical_gpu_count', lambda: 2)  # build an NCCL graph
+    monkeypatch.setattr(backends.base, 'physical_gpu_count', lambda: 2)  # build an NCCL graph
     xs = []
 
     def tower():

@@ -47,7 +47,7 @@ NAMES = [c['name'] for c in PARITY_CASES]
 # the object API), or repeat a layout of these; the slim and tensorpack parity
 # modules run the same core's stock kernels over every rank and layout. (All
 # 31 cost about 40 s more.) Of the other axis forms, one per view the core
-# normalizes (tf1_syncbn._axes): a middle axis folded by a reshape, axes
+# normalizes (tf1_syncbn._core.axes): a middle axis folded by a reshape, axes
 # apart transposed (with renorm's separate ops too), ghost batches on a
 # transposed view.
 STOCK_CASES = [PARITY_CASES[NAMES.index(name)] for name in NAMES if name in (

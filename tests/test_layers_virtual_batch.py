@@ -91,7 +91,7 @@ def test_virtual_batches_equal_tf_layers_on_one_device(reference, case, towers):
 def test_the_strided_layout_matters(reference):
     """tensorpack's consecutive runs (a different grouping) would not match: the test can fail."""
     case = CASES[0]
-    import tf1_syncbn._options as options_module
+    import tf1_syncbn._core.options as options_module
 
     original = options_module.check_options
 
@@ -101,7 +101,7 @@ def test_the_strided_layout_matters(reference):
         return original(*args, **kwargs)
 
     from unittest import mock
-    with mock.patch('tf1_syncbn.layers.check_options', runs_instead):
+    with mock.patch('tf1_syncbn.layers.layer.check_options', runs_instead):
         ours, _ = train_case(lambda *args: vbs_apply(_layer(1), case, *args), case, 0, [8])  # noqa: F821
     with pytest.raises(AssertionError):
         assert_same_numbers(ours, reference[0], case, 1)

@@ -50,7 +50,8 @@ from tf_slim.nets import inception_v3, resnet_v1, resnet_v2, vgg
 from tf_slim.ops import arg_scope as slim_arg_scope
 
 import tf_behavior
-from tf1_syncbn import convert, sync_arg_scope, sync_batch_norm
+from tf1_syncbn import sync_arg_scope, sync_batch_norm
+from tf1_syncbn.slim import patch as convert
 from tower import average_gradients, call_for_each_tower, get_current_tower_context
 from tower import virtual_cpu_config
 

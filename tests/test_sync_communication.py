@@ -170,7 +170,7 @@ def test_keys_do_not_depend_on_build_order(graph):
 @pytest.fixture
 def fake_gpus(monkeypatch):
     """Makes the layers believe GPUs are present, to build NCCL graphs on this CPU machine."""
-    monkeypatch.setattr(backends, 'physical_gpu_count', lambda: 2)
+    monkeypatch.setattr(backends.base, 'physical_gpu_count', lambda: 2)
 
 
 def test_nccl_graph_structure_on_gpu_devices(graph, fake_gpus):

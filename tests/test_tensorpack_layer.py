@@ -10,9 +10,8 @@ import tensorflow as tf
 from bn_reference import bn_backward, bn_forward, build_towers, split_batches, var
 from conftest import make_session
 from legacy_reference import run_reference
-from tf1_syncbn import (BatchNorm, BatchRenorm, CollectiveBackend, start_finetuning,
-                        sync_batch_norm)
-from tf1_syncbn import tensorpack_layer
+from tf1_syncbn import BatchNorm, BatchRenorm, CollectiveBackend, start_finetuning, sync_batch_norm
+from tf1_syncbn.tensorpack import layer as tensorpack_layer
 from tower import TowerContext
 
 tf1 = tf.compat.v1

@@ -22,7 +22,7 @@ import tf_behavior
 from bn_reference import bn_backward, build_towers, split_batches
 from conftest import make_session
 from tf1_syncbn import BatchNorm, CollectiveBackend, layers, sync_batch_norm
-from tf1_syncbn._plan import backward_direction
+from tf1_syncbn._sync.plan import backward_direction
 
 tf1 = tf.compat.v1
 EPS = 1e-3

@@ -31,20 +31,16 @@
   ``python -m tf1_syncbn.launch`` (:mod:`tf1_syncbn.launch`).
 """
 
-from tf1_syncbn.backends import (CollectiveBackend, HorovodBackend, NcclBackend, SyncBackend,
-                                 SyncKey)
-from tf1_syncbn.slim_layer import sync_batch_norm
-from tf1_syncbn.tensorpack_layer import BatchNorm, BatchRenorm, start_finetuning
-from tf1_syncbn.convert import convert_arg_scope, sync_arg_scope
-from tf1_syncbn.tensorpack_compat import patch_tensorpack
+from tf1_syncbn.backends import CollectiveBackend, HorovodBackend, NcclBackend, SyncBackend, SyncKey
+from tf1_syncbn.errors import PatchError, SyncBNWarning
+from tf1_syncbn.slim import convert_arg_scope, sync_arg_scope, sync_batch_norm
+from tf1_syncbn.tensorpack import BatchNorm, BatchRenorm, patch_tensorpack, start_finetuning
 from tf1_syncbn import layers
-from tf1_syncbn.tf_layers_compat import patch_tf_layers
-from tf1_syncbn._group import SyncBNWarning
-from tf1_syncbn._patch_check import PatchError
+from tf1_syncbn.layers import patch_tf_layers
 from tf1_syncbn.distributed import (Cluster, ClusterError, DistributedOptimizer, PeerMissingError,
                                     WorkerLostError, WorkerSession, all_reduce_gradients,
                                     average_across_workers, broadcast_variables, setup_cluster)
-from tf1_syncbn._audit_rules import audit_graph
+from tf1_syncbn.audit import audit_graph
 from tf1_syncbn import export
 from tf1_syncbn import kernels as _kernels
 

@@ -6,7 +6,7 @@ through :func:`validate_timeout`, so that each means the same thing:
 
 * a number of seconds ``> 0``: the step fails with
   ``DeadlineExceededError`` once it has run that long while a collective of
-  it still waits (see :mod:`tf1_syncbn._guards` for what the clock measures);
+  it still waits (see :mod:`tf1_syncbn._sync.guards` for what the clock measures);
 * ``0`` or ``float('inf')``: no deadline, a collective waits forever;
 * finite values above :data:`MAX_TIMEOUT` (about 31 years) are clamped to it,
   so that no deadline overflows TensorFlow's or the watchdog's int64
@@ -92,7 +92,7 @@ def watched(flag=True):
     """Collectives built in the block are bounded by an armed step watchdog.
 
     :func:`op_timeout` then gives them no per-op timeout of their own (see
-    :mod:`tf1_syncbn._guards`, which arms the watchdog).
+    :mod:`tf1_syncbn._sync.guards`, which arms the watchdog).
     """
     previous = getattr(_LOCAL, 'watched', False)
     _LOCAL.watched = bool(flag)

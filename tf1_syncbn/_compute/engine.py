@@ -1,8 +1,8 @@
 """The synchronized computations: the fused op, and the differentiable all-reduce.
 
-Every function here takes a :class:`~tf1_syncbn._plan.SyncPlan` (or None for
+Every function here takes a :class:`~tf1_syncbn._sync.plan.SyncPlan` (or None for
 this tower's statistics alone) and builds its collectives with
-:meth:`~tf1_syncbn._plan.SyncPlan.all_reduce`, after the step's guards.
+:meth:`~tf1_syncbn._sync.plan.SyncPlan.all_reduce`, after the step's guards.
 
 * :func:`sync_normalize`, the fast path: one op with a custom gradient.
   Forward: local moments -> **one packed all-reduce** -> normalize. Backward:
@@ -31,8 +31,8 @@ import collections
 import tensorflow as tf
 from tensorflow.python.framework import func_graph
 
-from tf1_syncbn import _math
-from tf1_syncbn._gradients import with_gradient
+from tf1_syncbn._compute import math as _math
+from tf1_syncbn._compute.gradients import with_gradient
 
 __all__ = ['sync_normalize', 'all_reduce_with_gradient', 'global_moments', 'ghost_moments',
            'GlobalMoments']
@@ -50,19 +50,19 @@ def sync_normalize(x4, fmt, gamma, beta, epsilon, plan, kernels):
       fmt: ``'NHWC'`` or ``'NCHW'``.
       gamma, beta: float32 ``[C]`` tensors (ones/zeros when not learned).
       epsilon: Python float.
-      plan: the call's :class:`~tf1_syncbn._plan.SyncPlan`, or None for this
+      plan: the call's :class:`~tf1_syncbn._sync.plan.SyncPlan`, or None for this
         tower's batch alone.
       kernels: the tower device's kernel set (:func:`tf1_syncbn.kernel_sets.kernels_for`).
 
     Returns:
       ``(y4, moments)``: the normalized view and the global
-      :class:`~tf1_syncbn._math.Moments` (no gradient). The gradient of
+      :class:`~tf1_syncbn._compute.math.Moments` (no gradient). The gradient of
       ``y4`` reaches ``x4`` through both the normalization and the global
       statistics; ``gamma`` and ``beta`` receive this tower's share of their
       gradient (summing over towers gives the global gradient).
 
     Hangs: the all-reduces wait for every member of the plan's group (see
-    :class:`~tf1_syncbn._plan.SyncPlan`).
+    :class:`~tf1_syncbn._sync.plan.SyncPlan`).
     """
     # In a TF2 tf.cond branch, the gradient refers to the branch's own copies
     # of outer tensors (a gradient of the gradient loses track of outer ones).
@@ -118,7 +118,7 @@ def _second_order(x4, fmt, gamma, beta, epsilon, plan, packed_sum, device, dy4, 
       The gradients of ``dy4``, ``x4`` and ``gamma``.
 
     Hangs: as :func:`sync_normalize`: every member builds the same gradients
-      (each gradient build gets keys of its own, :func:`tf1_syncbn._plan.backward_direction`).
+      (each gradient build gets keys of its own, :func:`tf1_syncbn._sync.plan.backward_direction`).
     """
     with tf.device(device):
         # Partial derivatives: the twin is built on copies of dy4, x4 and gamma
@@ -165,13 +165,13 @@ def all_reduce_with_gradient(tensor, plan, reduced=None):
 
     The backward all-reduces (of every order: the gradient is differentiable
     too) are keyed from the same call name and their build
-    (:func:`tf1_syncbn._plan.backward_direction`), so every tower agrees on
+    (:func:`tf1_syncbn._sync.plan.backward_direction`), so every tower agrees on
     them. Without a plan, ``tensor`` itself (or ``reduced``, with the
     gradient of ``tensor``).
 
     Args:
       tensor: the local tensor.
-      plan: the call's :class:`~tf1_syncbn._plan.SyncPlan`, or None.
+      plan: the call's :class:`~tf1_syncbn._sync.plan.SyncPlan`, or None.
       reduced: the group's sum of ``tensor``, when it is already computed:
         returned with ``tensor``'s gradient, and no forward all-reduce is built.
     """
@@ -204,7 +204,7 @@ def global_moments(x4, fmt, weights, plan, before=(), reduced=None):
     Args:
       x4, fmt: the canonical view and its layout.
       weights: per-example weights, or None.
-      plan: the call's :class:`~tf1_syncbn._plan.SyncPlan`, or None.
+      plan: the call's :class:`~tf1_syncbn._sync.plan.SyncPlan`, or None.
       before: tensors that must be computed before this tower's all-reduce
         starts (renorm's reads of its statistics: the main tower updates them
         only after the all-reduce, so after every tower has read them).

@@ -9,7 +9,7 @@ hyper-parameter search or a test suite builds hundreds).
 :func:`with_gradient` does what ``tf.custom_gradient`` does in graph mode (an
 ``IdentityN`` over outputs and inputs whose gradient is the given function)
 with one gradient function registered once, which finds the call's own
-gradient function in the state of the op's graph (:mod:`tower._state`). That
+gradient function in the state of the op's graph (:mod:`tower.graph_state`). That
 state lives on the graph object, so the closures go away with their graph.
 """
 
@@ -17,7 +17,7 @@ import contextlib
 
 import tensorflow as tf
 
-from tower._state import get_graph_state
+from tower.graph_state import get_graph_state
 
 __all__ = ['with_gradient', 'raw_collectives']
 

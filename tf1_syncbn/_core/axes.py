@@ -1,6 +1,6 @@
 """Any channel axes, as a view the core normalizes: Keras' (and tf.layers') every axis form.
 
-The core (:func:`tf1_syncbn._core.batch_norm`) normalizes the channels of one
+The core (:func:`tf1_syncbn._core.call.batch_norm`) normalizes the channels of one
 axis, 1 or the last. tf-keras' ``BatchNormalization`` (and so tf.layers')
 ``axis`` may also be a middle axis (``axis=2`` on ``[N, H, W, C]``) or a list
 of axes normalized together (``[1, 2]`` on ``[N, A, B]``: one statistic per
@@ -21,7 +21,7 @@ input instead, in which the normalized axes are one channel axis:
 order of the axes in increasing order: the order in which a variable of
 tf-keras' shape for several axes (the input's shape with 1 in every other
 axis) flattens, which is how the core reads variables
-(:func:`tf1_syncbn._variables.read`) and assigns their updates. The view
+(:func:`tf1_syncbn._core.variables.read`) and assigns their updates. The view
 keeps every element, so statistics, outputs and gradients are those of the
 input; the output is mapped back by the inverse reshape (and transpose).
 

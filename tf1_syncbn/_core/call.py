@@ -2,16 +2,16 @@
 
 A front-end (``sync_batch_norm``, tensorpack's ``BatchNorm``/``BatchRenorm``,
 ``tf1_syncbn.layers``) checks its arguments into an
-:class:`~tf1_syncbn._options.Options` and its input into a
-:class:`~tf1_syncbn._options.Layout`, creates the variables with its own
+:class:`~tf1_syncbn._core.options.Options` and its input into a
+:class:`~tf1_syncbn._core.options.Layout`, creates the variables with its own
 library's names, and calls :func:`batch_norm` with the input. Here, in stages:
 
-1. find the tower and its group (:mod:`tf1_syncbn._group`);
-2. plan the synchronization of a training call (:mod:`tf1_syncbn._plan`);
-3. compute the output in the mode asked for (:mod:`tf1_syncbn._normalize`):
+1. find the tower and its group (:mod:`tf1_syncbn._sync.group`);
+2. plan the synchronization of a training call (:mod:`tf1_syncbn._sync.plan`);
+3. compute the output in the mode asked for (:mod:`tf1_syncbn._core.normalize`):
    training, inference, or a tensor switch between them;
 4. build the moving-average updates on the main tower and share a trigger of
-   them with the other towers (:mod:`tf1_syncbn._updates`).
+   them with the other towers (:mod:`tf1_syncbn._core.updates`).
 
 Every front-end's entry point is marked
 ``tf.autograph.experimental.do_not_convert``: graph-building code that
@@ -24,11 +24,13 @@ conversion to another).
 
 import tensorflow as tf
 
-from tf1_syncbn import _inference_records, _normalize, _updates
-from tf1_syncbn._group import check_untowered_copies, find_group
-from tf1_syncbn._options import check_batch_weights
-from tf1_syncbn._plan import plan_sync
-from tf1_syncbn._variables import read
+from tf1_syncbn._core import normalize as _normalize
+from tf1_syncbn._core import records as _inference_records
+from tf1_syncbn._core import updates as _updates
+from tf1_syncbn._sync.group import check_untowered_copies, find_group
+from tf1_syncbn._core.options import check_batch_weights
+from tf1_syncbn._sync.plan import plan_sync
+from tf1_syncbn._core.variables import read, variable_name
 
 tf1 = tf.compat.v1
 
@@ -41,10 +43,10 @@ def batch_norm(x, layout, options, params, batch_weights=None,
     """Builds one batch-norm call.
 
     Args:
-      x: the input, checked by :func:`~tf1_syncbn._options.check_inputs`.
-      layout: its :class:`~tf1_syncbn._options.Layout`.
-      options: the call's :class:`~tf1_syncbn._options.Options`.
-      params: the layer's :class:`~tf1_syncbn._variables.Params`.
+      x: the input, checked by :func:`~tf1_syncbn._core.options.check_inputs`.
+      layout: its :class:`~tf1_syncbn._core.options.Layout`.
+      options: the call's :class:`~tf1_syncbn._core.options.Options`.
+      params: the layer's :class:`~tf1_syncbn._core.variables.Params`.
       batch_weights: per-example weights of the batch, or None.
       updates_collections: where the moving-average updates go, or None for
         control dependencies on the output.
@@ -66,7 +68,7 @@ def batch_norm(x, layout, options, params, batch_weights=None,
       The output tensor, with the shape and dtype of ``x``.
 
     Hangs: a synchronized training call waits in its all-reduces for every
-    member of its group; see :mod:`tf1_syncbn._guards` for what turns that
+    member of its group; see :mod:`tf1_syncbn._sync.guards` for what turns that
     into an error.
     """
     weights = check_batch_weights(options, batch_weights, x)
@@ -103,7 +105,7 @@ def batch_norm(x, layout, options, params, batch_weights=None,
                 tf1.add_to_collections(updates_collections, op)
     _updates.share_updates(group, updates, update_moving and training is not False,
                            updates_collections, [y] if trigger_after_output else [])
-    check_untowered_copies(options, group, params.moving_mean, y)
+    check_untowered_copies(options, group, variable_name(params.moving_mean), y)
     y.set_shape(x.shape)
     # What tf1_syncbn.export needs to replace this call by an inference op (no op built).
     _inference_records.record(x, y, layout, options, params)

@@ -1,4 +1,8 @@
-"""Which Keras 2 package the Keras front-end and the patches work with, and the versions in use.
+"""What the Keras 2 front-ends share: which package, the versions in use, tf-keras' ghost rule.
+
+The tf.layers front-end (:mod:`tf1_syncbn.layers`) and the Keras one
+(:mod:`tf1_syncbn.keras`) both replace tf-keras' ``BatchNormalizationBase``;
+the patches name the versions in their errors.
 
 TensorFlow hands out Keras through a lazy loader (``tf.keras``,
 ``tf.compat.v1.keras``, ``tf.compat.v1.layers``) that picks the package when
@@ -13,6 +17,9 @@ package is the one ``tf.keras`` is, or ``tf_keras`` where ``tf.keras`` is
 Keras 3 (code then uses ``tf_keras`` by name). Both Keras 2 packages lay out
 their sources alike (``<package>.src.layers.normalization``,
 ``<package>.src.legacy_tf_layers``, ...).
+
+:func:`ghost_batches_in_training`: when tf-keras' layer normalizes ghost
+batches (``virtual_batch_size``), a rule both front-ends follow.
 """
 
 import importlib.metadata
@@ -20,9 +27,11 @@ import os
 import sys
 import types
 
-from tf1_syncbn._modules import namespace
+import tensorflow as tf
 
-__all__ = ['package', 'tf_keras_is_keras3', 'versions']
+from tf1_syncbn._core.patching import namespace
+
+__all__ = ['package', 'tf_keras_is_keras3', 'versions', 'ghost_batches_in_training']
 
 #: The values of ``TF_USE_LEGACY_KERAS`` that TensorFlow's loader takes as true.
 _LEGACY_VALUES = ('true', 'True', '1')
@@ -107,3 +116,31 @@ def versions():
             parts.append('%s %s' % (label, version))
     parts.append('TF_USE_LEGACY_KERAS=%s' % os.environ.get('TF_USE_LEGACY_KERAS', '(unset)'))
     return ', '.join(parts)
+
+
+def ghost_batches_in_training(training):
+    """Whether tf.layers normalizes ghost batches in training, with ``virtual_batch_size`` set.
+
+    tf-keras' ``BatchNormalizationBase.call`` reshapes the batch into virtual
+    batches by a rule that depends on the TF behaviour the graph is built in
+    (``tf.__internal__.tf2.enabled()``, which ``disable_v2_behavior()``
+    turns off):
+
+    * TF2 behaviour: only for a Python ``True`` ``training``; a tensor
+      ``training`` reshapes to ``[-1, 1, ...]``, so the whole batch is one
+      virtual batch;
+    * TF1 behaviour: always ("preserve incorrect legacy behavior"), so a
+      tensor ``training`` normalizes ghost batches in its training branch.
+
+    Args:
+      training: a Python bool or a scalar bool tensor.
+
+    Returns:
+      A Python bool (False for a Python ``False``: inference uses the moving
+      statistics either way).
+    """
+    if training is True:
+        return True
+    if training is False:
+        return False
+    return not tf.__internal__.tf2.enabled()

@@ -3,10 +3,10 @@
 :func:`train` picks the path for the options and computes the output with
 batch statistics of the plan's group; :func:`infer` computes it with the
 moving statistics. Both take the input and the variables as arguments; the
-synchronization comes in as a :class:`~tf1_syncbn._plan.SyncPlan` (or None),
+synchronization comes in as a :class:`~tf1_syncbn._sync.plan.SyncPlan` (or None),
 which every training path receives.
 
-* fast: the fused synchronized op of :func:`tf1_syncbn._engine.sync_normalize`
+* fast: the fused synchronized op of :func:`tf1_syncbn._compute.engine.sync_normalize`
   (one packed all-reduce each way), or one ``FusedBatchNormV3`` without
   synchronization;
 * slow (batch weights, renorm, adjustment, ``fused=False``): differentiable
@@ -24,8 +24,10 @@ import collections
 
 import tensorflow as tf
 
-from tf1_syncbn import _engine, _math, kernel_sets
-from tf1_syncbn._variables import read
+from tf1_syncbn import kernel_sets
+from tf1_syncbn._compute import engine as _engine
+from tf1_syncbn._compute import math as _math
+from tf1_syncbn._core.variables import read
 
 tf1 = tf.compat.v1
 
@@ -114,11 +116,11 @@ def train(x, layout, options, params, plan, weights=None):
     """The output with batch statistics of the plan's group (or this tower's).
 
     Args:
-      x: the input (checked by :func:`tf1_syncbn._options.check_inputs`).
-      layout: its :class:`~tf1_syncbn._options.Layout`.
-      options: the call's :class:`~tf1_syncbn._options.Options`.
-      params: the layer's :class:`~tf1_syncbn._variables.Params`.
-      plan: a :class:`~tf1_syncbn._plan.SyncPlan`, or None.
+      x: the input (checked by :func:`tf1_syncbn._core.options.check_inputs`).
+      layout: its :class:`~tf1_syncbn._core.options.Layout`.
+      options: the call's :class:`~tf1_syncbn._core.options.Options`.
+      params: the layer's :class:`~tf1_syncbn._core.variables.Params`.
+      plan: a :class:`~tf1_syncbn._sync.plan.SyncPlan`, or None.
       weights: per-example ``batch_weights``, or None.
 
     Returns:
@@ -150,7 +152,7 @@ def _slow(x, x4, fmt, layout, options, params, gamma, beta, plan, weights):
     equal the batch's, training and inference outputs agree to the last bit
     (slim's ``testNoneUpdatesCollectionIsTrainingVariable``). ``x - mean`` is
     exact for data near the mean; the moments themselves are computed around
-    a shift (:func:`tf1_syncbn._engine.global_moments`).
+    a shift (:func:`tf1_syncbn._compute.engine.global_moments`).
     """
     gamma, beta = _own_gradient_buffer(gamma), _own_gradient_buffer(beta)
     renorm_reads = ()

@@ -4,7 +4,7 @@ Front-ends (``sync_batch_norm``, tensorpack's ``BatchNorm``/``BatchRenorm``,
 the ``tf.compat.v1.layers`` API) translate their arguments into one frozen
 :class:`Options` with :func:`check_options`, and check the input with
 :func:`check_inputs`. Nothing here holds data: the input tensor and the batch
-weights travel as arguments of :func:`tf1_syncbn._core.batch_norm`.
+weights travel as arguments of :func:`tf1_syncbn._core.call.batch_norm`.
 
 Every error is a ``ValueError`` or ``TypeError`` that names the layer (with
 its scope), the argument as the user spelled it, and what to pass instead.
@@ -48,7 +48,7 @@ class Options(collections.namedtuple('Options', _FIELDS)):
         variance (the replaced layer runs its fused kernel), else the biased one.
       float32_decay: the replaced layer computes ``1 - decay`` in float32.
       virtual_batch_style: ``'runs'`` (tensorpack's ghost batches) or
-        ``'strided'`` (tf.layers'); see :func:`tf1_syncbn._normalize.train`.
+        ``'strided'`` (tf.layers'); see :func:`tf1_syncbn._core.normalize.train`.
       The rest: as the layers' arguments of the same names.
     """
 

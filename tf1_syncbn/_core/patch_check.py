@@ -13,17 +13,14 @@ every name it promises (:class:`Name`: ``tf.compat.v1.layers.batch_normalization
 and Keras versions, and what to do instead. The patch undoes itself first.
 """
 
-from tf1_syncbn import _keras2
+from tf1_syncbn._core import keras2 as _keras2
+from tf1_syncbn.errors import PatchError
 
-__all__ = ['ABSENT', 'Name', 'PatchError', 'failures', 'getattr_path', 'verify']
+__all__ = ['ABSENT', 'Name', 'failures', 'getattr_path', 'verify']
 
 #: What a resolver returns for a name that this TensorFlow/Keras does not have
 #: at all (nothing to switch, nothing to check).
 ABSENT = object()
-
-
-class PatchError(RuntimeError):
-    """A patch could not make a name that user code calls resolve to this library's layer."""
 
 
 class _Failed(object):

@@ -1,6 +1,6 @@
 """What an inference twin of each batch-norm call needs, recorded in its graph.
 
-Every call of :func:`tf1_syncbn._core.batch_norm` adds one JSON string to the
+Every call of :func:`tf1_syncbn._core.call.batch_norm` adds one JSON string to the
 collection :data:`COLLECTION` of its root graph: the call's input and output
 tensors, its layout and epsilon, and where its gamma, beta and moving
 statistics come from (a variable's op, the partitions of a partitioned one,
@@ -33,7 +33,7 @@ import json
 
 import tensorflow as tf
 
-from tower._state import root_graph
+from tower.graph_state import root_graph
 
 __all__ = ['COLLECTION', 'record', 'records']
 
@@ -83,9 +83,9 @@ def record(x, y, layout, options, params):
     Args:
       x: the call's input.
       y: its output, as the call returns it.
-      layout: the input's :class:`~tf1_syncbn._options.Layout`.
-      options: the call's :class:`~tf1_syncbn._options.Options`.
-      params: its :class:`~tf1_syncbn._variables.Params`.
+      layout: the input's :class:`~tf1_syncbn._core.options.Layout`.
+      options: the call's :class:`~tf1_syncbn._core.options.Options`.
+      params: its :class:`~tf1_syncbn._core.variables.Params`.
     """
     root = root_graph(y.graph)
     pivot, in_loop = _v1_context(y.op)

@@ -13,7 +13,7 @@
   :func:`share_updates`).
 
 Updates assign the variables under a ``custom_getter``'s transformed values
-(:func:`tf1_syncbn._variables.assignable`).
+(:func:`tf1_syncbn._core.variables.assignable`).
 """
 
 import collections
@@ -21,10 +21,10 @@ import numbers
 
 import tensorflow as tf
 
-from tf1_syncbn import _math
-from tf1_syncbn._control_flow import enclosing_while_loop
-from tf1_syncbn._variables import assignable, read
-from tower._state import get_graph_state
+from tf1_syncbn._compute import math as _math
+from tf1_syncbn._sync.control_flow import enclosing_while_loop
+from tf1_syncbn._core.variables import assignable, read
+from tower.graph_state import get_graph_state
 
 tf1 = tf.compat.v1
 
@@ -92,7 +92,7 @@ def _assign_zero_debiased_average(variable, value, decay, active, debias):
 
     Args:
       debias: ``(biased, local_step)`` from
-        :func:`tf1_syncbn._variables.zero_debias_variables`.
+        :func:`tf1_syncbn._core.variables.zero_debias_variables`.
     """
     biased, local_step = debias
     with tf1.name_scope(None, 'AssignMovingAvg', [variable, value, decay]):
@@ -117,9 +117,9 @@ def update_ops(options, params, stats, finetune=None):
     control dependencies of the other two.
 
     Args:
-      options: the call's :class:`~tf1_syncbn._options.Options`.
-      params: the layer's :class:`~tf1_syncbn._variables.Params`.
-      stats: the step's :class:`~tf1_syncbn._normalize.BatchStats`.
+      options: the call's :class:`~tf1_syncbn._core.options.Options`.
+      params: the layer's :class:`~tf1_syncbn._core.variables.Params`.
+      stats: the step's :class:`~tf1_syncbn._core.normalize.BatchStats`.
       finetune: None, or ``(decay, new_count)`` from :func:`finetune_decay`.
 
     Returns:
@@ -205,7 +205,7 @@ def share_updates(group, updates, updating, updates_collections, after=()):
     control inputs when the main tower builds the updates.
 
     Args:
-      group: the call's :class:`~tf1_syncbn._group.Group`.
+      group: the call's :class:`~tf1_syncbn._sync.group.Group`.
       updates: the update ops this tower built (only the main tower builds any).
       updating: whether this call updates the moving statistics at all.
       updates_collections: the collections the updates go to (None: inside the

@@ -24,12 +24,12 @@ import contextlib
 import tensorflow as tf
 from tensorflow.python.util import function_utils
 
-from tower._state import get_graph_state
+from tower.graph_state import get_graph_state
 
 tf1 = tf.compat.v1
 
 __all__ = ['Params', 'RenormVariables', 'FINETUNE_COUNTERS', 'STATISTICS_AGGREGATION',
-           'zero_debias_variables', 'read', 'assignable', 'received_variables']
+           'zero_debias_variables', 'read', 'assignable', 'variable_name', 'received_variables']
 
 #: The graph-state slot of what custom getters returned inside
 #: :func:`received_variables`: ``{id(value): (value, received variable or None,
@@ -195,6 +195,17 @@ def received_variables():
 
 def _is_variable(value):
     return isinstance(value, tf.Variable) or hasattr(value, 'assign_sub')
+
+
+def variable_name(value):
+    """The op name of the variable an update of ``value`` assigns (:func:`assignable`).
+
+    For a custom getter's value computed from no variable: the value's own name.
+    """
+    try:
+        return assignable(value).op.name
+    except TypeError:
+        return getattr(value, 'name', repr(value))
 
 
 def assignable(value):

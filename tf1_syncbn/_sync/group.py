@@ -18,19 +18,15 @@ import warnings
 import tensorflow as tf
 
 from tf1_syncbn import backends
-from tf1_syncbn._registry import base_name, get_registry
-from tf1_syncbn._variables import assignable
+from tf1_syncbn._sync.registry import base_name, get_registry
+from tf1_syncbn.errors import SyncBNWarning
 from tower import get_current_tower_context, tower_index_from_name
-from tower._state import full_name_scope, get_graph_state
+from tower.graph_state import full_name_scope, get_graph_state
 
 tf1 = tf.compat.v1
 
-__all__ = ['Group', 'find_group', 'choose_backend', 'check_untowered_copies', 'SyncBNWarning',
+__all__ = ['Group', 'find_group', 'choose_backend', 'check_untowered_copies',
            'canonical_device', 'current_device']
-
-
-class SyncBNWarning(UserWarning):
-    """A synchronized layer that cannot synchronize (see the message for the fix)."""
 
 
 class Group(collections.namedtuple('Group', ['ctx', 'index', 'towers', 'main', 'call',
@@ -47,7 +43,7 @@ class Group(collections.namedtuple('Group', ['ctx', 'index', 'towers', 'main', '
       main: whether this call builds the moving-average updates (the main
         training tower).
       call: the call's name, the same in every tower (see
-        :meth:`tf1_syncbn._registry.CallRegistry.call_name`).
+        :meth:`tf1_syncbn._sync.registry.CallRegistry.call_name`).
       workers: how many processes build ``towers`` towers each into the group
         (a ``tf.distribute`` multi-worker strategy; 1 elsewhere).
       replicated_updates: every tower builds the moving-average updates and
@@ -80,7 +76,7 @@ def find_group(options, prediction_towers_update=False):
     giving the number of towers; else a single tower.
 
     Args:
-      options: the layer's :class:`~tf1_syncbn._options.Options`.
+      options: the layer's :class:`~tf1_syncbn._core.options.Options`.
       prediction_towers_update: whether a call with batch statistics in a
         prediction tower updates the moving statistics (tensorpack's layers
         do; slim's run in training towers only).
@@ -189,7 +185,7 @@ def _unknown_group_error(options, spec):
            options.arg('num_dev')))
 
 
-def check_untowered_copies(options, group, moving_mean, output):
+def check_untowered_copies(options, group, variable, output):
     """Raises or warns when copies of one layer train on several devices outside any tower.
 
     A tower loop the layer cannot see (``for i: with tf.device('/gpu:%d' % i),
@@ -197,7 +193,7 @@ def check_untowered_copies(options, group, moving_mean, output):
     name scope, without ``num_dev``) gives every copy a group of one: each
     normalizes with its own device's batch. The graph shows it: one layer's
     variables trained by copies on several devices. The graph's
-    :class:`~tf1_syncbn._registry.CallRegistry` keeps the devices of each
+    :class:`~tf1_syncbn._sync.registry.CallRegistry` keeps the devices of each
     layer's training copies outside any tower; from the second device on, a
     layer with ``sync_statistics='auto'`` warns (:class:`SyncBNWarning`, once
     per graph and layer) and one with an explicit backend raises. Copies on
@@ -205,10 +201,11 @@ def check_untowered_copies(options, group, moving_mean, output):
     copies without a device say nothing.
 
     Args:
-      options: the call's :class:`~tf1_syncbn._options.Options`.
+      options: the call's :class:`~tf1_syncbn._core.options.Options`.
       group: the call's :class:`Group`.
-      moving_mean: the layer's moving mean (a variable, or a custom getter's
-        value computed from it): it names the layer's variables.
+      variable: the name of the layer's moving mean (of the variable a custom
+        getter received, :func:`tf1_syncbn._core.variables.variable_name`): it
+        names the layer's variables.
       output: the call's output, whose device is the copy's.
 
     Raises:
@@ -221,10 +218,6 @@ def check_untowered_copies(options, group, moving_mean, output):
     device = canonical_device(output.op.device)
     if not device:
         return
-    try:
-        variable = assignable(moving_mean).op.name
-    except TypeError:                  # a getter's value from no variable: its own name
-        variable = getattr(moving_mean, 'name', repr(moving_mean))
     registry = get_registry()
     devices = registry.untowered_copy_devices(variable, device)
     if len(devices) > 1:

@@ -12,7 +12,7 @@ runs once per step and host:
   built its last tower, and the all-reduce would wait for the missing
   members until the timeout. It is plain TensorFlow: an ``Assert`` on two
   constants, the verdict and the message of
-  :meth:`~tf1_syncbn._registry.CallRegistry.run_time_verdict`, which the
+  :meth:`~tf1_syncbn._sync.registry.CallRegistry.run_time_verdict`, which the
   registry rewrites in the graph whenever a registration changes them. So
   it runs no Python, costs nothing per step, and survives the process: a
   meta graph, a ``GraphDef`` or a frozen graph carry it with the verdict of
@@ -46,8 +46,8 @@ import os
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
-from tf1_syncbn._registry import get_registry
-from tower._state import get_graph_state, root_graph
+from tf1_syncbn._sync.registry import get_registry
+from tower.graph_state import get_graph_state, root_graph
 
 __all__ = ['step_guards', 'step_watchdog', 'host_cpu', 'TIMEOUT_MESSAGE']
 

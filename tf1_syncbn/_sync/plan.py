@@ -6,7 +6,7 @@ differentiable slow path of renorm / batch weights / adjustment /
 this tower's statistics alone, and builds its all-reduces with
 :meth:`SyncPlan.all_reduce`. The plan carries the checks that must precede
 any collective of the step (the run-time check that every tower was built,
-and the step watchdog, :mod:`tf1_syncbn._guards`), so no path can build a
+and the step watchdog, :mod:`tf1_syncbn._sync.guards`), so no path can build a
 collective without them.
 """
 
@@ -15,11 +15,12 @@ import itertools
 
 import tensorflow as tf
 
-from tf1_syncbn import _guards, timeouts
-from tf1_syncbn._control_flow import enclosing_while_loop
-from tf1_syncbn._gradients import raw_collectives
-from tf1_syncbn._group import choose_backend, current_device
-from tf1_syncbn._registry import get_registry
+from tf1_syncbn import timeouts
+from tf1_syncbn._sync import guards as _guards
+from tf1_syncbn._sync.control_flow import enclosing_while_loop
+from tf1_syncbn._compute.gradients import raw_collectives
+from tf1_syncbn._sync.group import choose_backend, current_device
+from tf1_syncbn._sync.registry import get_registry
 from tf1_syncbn.backends import SyncKey
 from tower import TowerContext
 
@@ -92,14 +93,14 @@ def backward_direction(build):
 def plan_sync(options, group):
     """Plans a training call's synchronization, or returns None for local statistics.
 
-    Chooses the backend (:func:`tf1_syncbn._group.choose_backend`), builds the
+    Chooses the backend (:func:`tf1_syncbn._sync.group.choose_backend`), builds the
     call's key, checks it with the backend (devices, GPUs), registers the
-    member with the graph's :class:`~tf1_syncbn._registry.CallRegistry`
+    member with the graph's :class:`~tf1_syncbn._sync.registry.CallRegistry`
     (which raises on conflicts between towers) and gets the step's guards.
 
     Args:
-      options: the layer's :class:`~tf1_syncbn._options.Options`.
-      group: the call's :class:`~tf1_syncbn._group.Group`.
+      options: the layer's :class:`~tf1_syncbn._core.options.Options`.
+      group: the call's :class:`~tf1_syncbn._sync.group.Group`.
 
     Returns:
       A :class:`SyncPlan`, or None (no synchronization: ``sync_statistics``
@@ -107,9 +108,9 @@ def plan_sync(options, group):
 
     Raises:
       ValueError: inside a while loop (see
-        :func:`tf1_syncbn._control_flow.enclosing_while_loop`); and
-        see :func:`~tf1_syncbn._group.choose_backend`, the backend's ``check``
-        and :meth:`~tf1_syncbn._registry.CallRegistry.register`.
+        :func:`tf1_syncbn._sync.control_flow.enclosing_while_loop`); and
+        see :func:`~tf1_syncbn._sync.group.choose_backend`, the backend's ``check``
+        and :meth:`~tf1_syncbn._sync.registry.CallRegistry.register`.
     """
     if options.sync_statistics is None:
         return None

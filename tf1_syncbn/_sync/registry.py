@@ -8,11 +8,11 @@
   backends, a key collision), and are checked for towers that never built
   them: when every tower of a ``TowerContext`` group has been built
   (:meth:`CallRegistry.on_tower_exit`) and, for harnesses that never say when
-  their last tower is built, at run time (:mod:`tf1_syncbn._guards`), from
+  their last tower is built, at run time (:mod:`tf1_syncbn._sync.guards`), from
   the verdict of :meth:`CallRegistry.run_time_verdict`, which the registry
   keeps current in the graph through its listeners.
 
-The registry lives on its graph (:mod:`tower._state`), shared by the graph's
+The registry lives on its graph (:mod:`tower.graph_state`), shared by the graph's
 ``tf.cond`` branches.
 """
 
@@ -20,7 +20,7 @@ import collections
 
 from tf1_syncbn.backends import stable_hash
 from tower import strip_tower_prefix
-from tower._state import get_graph_state
+from tower.graph_state import get_graph_state
 
 __all__ = ['CallRegistry', 'get_registry', 'base_name']
 
@@ -34,7 +34,7 @@ class CallRegistry(object):
 
     Attributes:
       listeners: callables run after every registration that changes
-        :meth:`run_time_verdict` (the run-time checks of :mod:`tf1_syncbn._guards`).
+        :meth:`run_time_verdict` (the run-time checks of :mod:`tf1_syncbn._sync.guards`).
     """
 
     #: Incomplete groups a run-time message names (then: "and N more").

@@ -1,31 +1,5 @@
-"""Check a training graph's batch norm: :func:`audit_graph` and ``python -m tf1_syncbn.audit``.
-
-Finds every batch-norm layer of a graph, this library's and plain ones
-(``FusedBatchNorm*`` or ``tf.nn.moments`` batch norm from slim, tensorpack,
-``tf.layers`` or Keras), with its towers (``tower<i>``, ``tower_<i>``,
-``clone_<i>``, registered patterns, tensorpack's ``tower<i>``,
-``tf.distribute``'s ``replica_<i>``), and reports as problems:
-
-* a layer built in more than one tower that normalizes each tower with its
-  own batch's statistics (or synchronizes only some towers);
-* moving-average updates that do not run when the train op runs (reachable
-  from it through data or control edges, the layer's own output included:
-  ``updates_collections=None``);
-* a moving variable assigned by more than one update op in one step;
-* a synchronized layer whose all-reduce group is smaller than the towers
-  that build it.
-
-Inference-mode layers in a training tower are reported as notes only. The
-audit reads the graph's structure only (ops, types, attributes, inputs,
-control inputs and the function library, where a tensor ``is_training``
-puts the training computation in ``tf.cond`` branches), so it works on a
-graph imported from an exported ``MetaGraphDef``, and from the command line::
-
-    python -m tf1_syncbn.audit MODEL.meta [--train-op NAME] [--tower-pattern REGEX]
-
-which prints the report and exits with status 1 when there are problems
-(2 on a usage error), for CI.
-"""
+"""The command line of the audit, ``python -m tf1_syncbn.audit``: :func:`main`, and
+:func:`read_meta_graph`, which reads an exported ``MetaGraphDef`` without building it."""
 
 import argparse
 import sys
@@ -33,9 +7,9 @@ import sys
 from google.protobuf import message, text_format
 from tensorflow.core.protobuf import meta_graph_pb2
 
-from tf1_syncbn._audit_rules import audit_graph
+from tf1_syncbn.audit.rules import audit_graph
 
-__all__ = ['audit_graph', 'read_meta_graph', 'main']
+__all__ = ['read_meta_graph', 'main']
 
 
 def read_meta_graph(path):
@@ -100,7 +74,3 @@ def main(argv=None):
         return 2
     print(report)
     return 0 if report.ok else 1
-
-
-if __name__ == '__main__':
-    sys.exit(main())

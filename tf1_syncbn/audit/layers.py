@@ -1,6 +1,6 @@
 """Where a graph's batch-norm layers are: tower copies, moving statistics, updates, all-reduces.
 
-Works on a :class:`~tf1_syncbn._audit_index.GraphIndex`. A layer shows in a
+Works on a :class:`~tf1_syncbn.audit.graph.GraphIndex`. A layer shows in a
 tower through *anchors*, ops that only batch norm builds:
 
 * this library's training ops: the ``IdentityN`` named ``sync_batch_norm`` /
@@ -23,8 +23,8 @@ batch norm (layer norm's fused kernel has no moving statistics).
 
 import re
 
-from tf1_syncbn._audit_index import (ASSIGN_OPS, VARIABLE_OPS, is_gradient_scope, parent_scope,
-                                     strip_towers, tower_of)
+from tf1_syncbn.audit.graph import (ASSIGN_OPS, VARIABLE_OPS, is_gradient_scope, parent_scope,
+                                    strip_towers, tower_of)
 
 __all__ = ['STATISTICS', 'Instance', 'find_layers', 'collective_group']
 
@@ -318,7 +318,7 @@ def find_layers(index, patterns):
     """Every batch-norm layer of the graph.
 
     Args:
-      index: the graph's :class:`~tf1_syncbn._audit_index.GraphIndex`.
+      index: the graph's :class:`~tf1_syncbn.audit.graph.GraphIndex`.
       patterns: compiled tower patterns (one group: the index).
 
     Returns:

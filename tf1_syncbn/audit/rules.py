@@ -1,8 +1,8 @@
 """The audit's rules: what is a problem, and :func:`audit_graph`.
 
 :func:`audit_graph` finds the graph's batch-norm layers
-(:mod:`tf1_syncbn._audit_layers`, on the graph flattened by
-:mod:`tf1_syncbn._audit_index`) and reports, per layer, as problems:
+(:mod:`tf1_syncbn.audit.layers`, on the graph flattened by
+:mod:`tf1_syncbn.audit.graph`) and reports, per layer, as problems:
 
 * a layer built in more than one tower that normalizes each tower with its
   own batch's statistics, or synchronizes only some towers;
@@ -17,7 +17,7 @@
   ``tower_<i>`` scopes, or an unregistered convention), none synchronized;
 
 and, as notes only, inference-mode layers in a training tower. The report
-is an :class:`~tf1_syncbn.audit_report.AuditReport`. The command line is
+is an :class:`~tf1_syncbn.audit.report.AuditReport`. The command line is
 :mod:`tf1_syncbn.audit`.
 """
 
@@ -25,9 +25,9 @@ import re
 
 import tensorflow as tf
 
-from tf1_syncbn import audit_report as report_lib
-from tf1_syncbn._audit_index import GraphIndex, parent_scope, tower_of
-from tf1_syncbn._audit_layers import collective_group, find_layers
+from tf1_syncbn.audit import report as report_lib
+from tf1_syncbn.audit.graph import GraphIndex, parent_scope, tower_of
+from tf1_syncbn.audit.layers import collective_group, find_layers
 from tower import harness
 
 __all__ = ['audit_graph']
@@ -334,7 +334,7 @@ def audit_graph(graph, train_op=None, tower_patterns=None):
         registered with :func:`tower.register_tower_pattern`.
 
     Returns:
-      An :class:`~tf1_syncbn.audit_report.AuditReport` (``.ok``,
+      An :class:`~tf1_syncbn.audit.report.AuditReport` (``.ok``,
       ``.problems``, ``.info``, ``.layers``; ``str(report)`` is a table).
 
     Raises:

@@ -19,7 +19,7 @@ plain TensorFlow ops only: they load and run where this library is not
 installed (``tf.saved_model.load``, TensorFlow Serving, ``tf.import_graph_def``).
 
 How: every layer call records in its graph what such an op needs (its input
-and output, variables, epsilon and layout; :mod:`tf1_syncbn._inference_records`,
+and output, variables, epsilon and layout; :mod:`tf1_syncbn._core.records`,
 a collection of strings, which meta graphs keep). The exporter imports the
 graph into a fresh one (with the named inputs as new placeholders whose batch
 dimension is free, and the named constants fed in), builds the inference op
@@ -41,15 +41,15 @@ Layers built inside a user's ``tf.cond``/``tf.while_loop`` function body
 Arguments that would export something else than they say (a placeholder
 left at its default, the full batch where a tower's share was meant, a
 constant that does not fit its tensor) fail too, naming the argument
-(:mod:`tf1_syncbn._export_checks`).
+(:mod:`tf1_syncbn.export.checks`).
 """
 
 import re
 
 import tensorflow as tf
 
-from tf1_syncbn import _export_checks as _checks
-from tf1_syncbn import _math
+from tf1_syncbn._compute import math as _math
+from tf1_syncbn.export import checks as _checks
 
 tf1 = tf.compat.v1
 

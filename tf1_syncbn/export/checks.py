@@ -7,7 +7,7 @@ something else than the user meant: a ``placeholder_with_default`` kept at its
 default, a constant TensorFlow accepts at export and aborts on at serving, a
 share of the batch where the user meant the whole batch).
 
-It also reads the layers' records (:mod:`tf1_syncbn._inference_records`) of
+It also reads the layers' records (:mod:`tf1_syncbn._core.records`) of
 a graph imported with ``import_meta_graph(..., import_scope=...)``:
 TensorFlow prefixes the scope onto every string of a bytes-list collection
 (``'restored/{...}'``), so the record's JSON follows the scope, and its
@@ -20,7 +20,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from tf1_syncbn import _inference_records
+from tf1_syncbn._core import records as _inference_records
 
 __all__ = ['session_graph', 'constant_values', 'distinct', 'export_dir', 'consumed', 'records',
            'check_needed']

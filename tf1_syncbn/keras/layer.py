@@ -1,51 +1,28 @@
-"""Keras 2's ``BatchNormalization``, synchronized, for Keras models in TF1 graphs.
+"""The classes of :mod:`tf1_syncbn.keras`: :class:`BatchNormalization`, its V1 twin.
 
-Keras 2 is tf-keras (the package ``tf_keras``), or on TensorFlow 2.15 the
-``keras`` 2.15 that ``tf.keras`` is there (:data:`KERAS_PACKAGE`; below,
-"tf-keras" stands for either).
-
-* :class:`BatchNormalization`: ``tf_keras.layers.BatchNormalization`` (what
-  ``tf.keras.layers.BatchNormalization`` is with ``TF_USE_LEGACY_KERAS=1``),
-  plus ``sync_statistics`` and ``num_dev``;
-* :class:`BatchNormalizationV1`: tf-keras' v1 layer
-  (``tf.compat.v1.keras.layers.BatchNormalization``, what
-  ``tf_keras.applications`` build under ``disable_v2_behavior()``), likewise;
-* :func:`patch_keras` (also ``tf1_syncbn.patch_keras``): existing Keras code
-  builds these (see :mod:`tf1_syncbn.keras_compat`).
-
-Each is a subclass of tf-keras' own class that keeps its constructor,
-``build`` (the weights, their names, order, dtypes and aggregation),
-``get_config`` and training rules, and replaces the computation of ``call``
-with one call of the shared core (:func:`tf1_syncbn._core.batch_norm`): the
-towers, groups, backends, guards, shared updates and the variance rule are
-the other front-ends'. The layers need tf-keras (``pip install --no-deps
-"tf-keras~=<TensorFlow's major.minor>.0"``); ``import tf1_syncbn`` never
-imports it.
+Subclasses of tf-keras' own classes (:data:`KERAS_PACKAGE`) that compute
+through the shared core. Importing this module imports tf-keras.
 """
 
 import contextlib
 import importlib
-import sys
 import warnings
 
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util_v2
 
-from tf1_syncbn import _keras2
-from tf1_syncbn._axes import adjustment_in_view, from_view, needs_view, plan_view, to_view
-from tf1_syncbn._core import batch_norm
-from tf1_syncbn._keras_rules import (check_keras_graph, in_keras_model_build, is_model_graph_call,
-                                     keras_channel_axes, training_value)
-from tf1_syncbn._options import check_inputs, check_options
-from tf1_syncbn._tf_layers_rules import ghost_batches_in_training
-from tf1_syncbn.keras_compat import ClassPatch, class_with_defaults
-from tf1_syncbn._group import SyncBNWarning
-from tf1_syncbn._patch_check import Name, getattr_path, failures, verify
-from tf1_syncbn._variables import Params, RenormVariables
+from tf1_syncbn._core import keras2 as _keras2
+from tf1_syncbn._core.axes import adjustment_in_view, from_view, needs_view, plan_view, to_view
+from tf1_syncbn._core.call import batch_norm
+from tf1_syncbn._core.keras2 import ghost_batches_in_training
+from tf1_syncbn.keras.rules import (check_keras_graph, in_keras_model_build, is_model_graph_call,
+                                    keras_channel_axes, training_value)
+from tf1_syncbn._core.options import check_inputs, check_options
+from tf1_syncbn._core.variables import Params, RenormVariables
 
 #: The Keras 2 package whose layers this module subclasses: ``tf_keras``, or
 #: ``keras`` where ``tf.keras`` is Keras 2.15 (TensorFlow 2.15 without
-#: ``TF_USE_LEGACY_KERAS``); see :mod:`tf1_syncbn._keras2`.
+#: ``TF_USE_LEGACY_KERAS``); see :mod:`tf1_syncbn._core.keras2`.
 KERAS_PACKAGE = _keras2.package()
 try:
     importlib.import_module(KERAS_PACKAGE)
@@ -64,7 +41,8 @@ except ImportError as _error:  # the message says how to install it
         % (KERAS_PACKAGE, _error, tf.__version__, _version)) from _error
 
 
-__all__ = ['BatchNormalization', 'BatchNormalizationV1', 'patch_keras']
+__all__ = ['BatchNormalization', 'BatchNormalizationV1', 'KERAS_PACKAGE',
+           'KERAS_BATCH_NORMALIZATION', 'KERAS_BATCH_NORMALIZATION_V1']
 
 tf1 = tf.compat.v1
 
@@ -136,7 +114,7 @@ class _Synchronized(object):
         weights = self._mask_weights(layer, mask, rank)
         one_device = is_model_graph_call(self._called_on(inputs)) or in_keras_model_build()
         # Axes other than one channel axis 1 or last: the core normalizes a view
-        # of the input in which they are one channel axis (tf1_syncbn._axes).
+        # of the input in which they are one channel axis (tf1_syncbn._core.axes).
         view, source, adjustment = None, x, self.adjustment
         if needs_view(rank, axes):
             view = plan_view(rank, axes, x.shape.as_list(), keep_batch=vbs is not None)
@@ -264,7 +242,7 @@ class BatchNormalization(_Synchronized, KERAS_BATCH_NORMALIZATION):
       tensor (``keras.Input(tensor=x)``) is that tower's;
     * **axes**: every form tf-keras takes (a middle axis, several axes, with
       ``virtual_batch_size``) but the batch axis 0, through a view of the
-      input (:mod:`tf1_syncbn._axes`).
+      input (:mod:`tf1_syncbn._core.axes`).
 
     The arguments from ``axis`` to ``gamma_constraint`` are tf-keras' own, with
     its defaults.
@@ -339,108 +317,6 @@ class BatchNormalizationV1(_Synchronized, KERAS_BATCH_NORMALIZATION_V1):
 # layer name (batch_normalization, so the weights' names) and the class name of
 # configs from it.
 BatchNormalizationV1.__name__ = BatchNormalizationV1.__qualname__ = 'BatchNormalization'
-
-
-def patch_keras(sync_statistics='auto', num_dev=None):
-    """Makes tf-keras' ``BatchNormalization`` this library's, in loaded modules and new models.
-
-    After this call, code that builds tf-keras' layer builds
-    :class:`BatchNormalization` (tf-keras' v1 class: :class:`BatchNormalizationV1`)
-    instead: ``tf_keras.layers.BatchNormalization``,
-    ``tf.keras.layers.BatchNormalization`` and
-    ``tf.compat.v1.keras.layers.BatchNormalization`` with
-    ``TF_USE_LEGACY_KERAS=1``, the names your modules imported it as (``from
-    tf_keras.layers import BatchNormalization as BN`` included), the
-    ``tf_keras.applications`` models and models deserialized from a config::
-
-        import tf1_syncbn.keras
-        tf1_syncbn.keras.patch_keras(num_dev=4)     # before the model is built
-        model = tf_keras.applications.ResNet50(weights=None, classes=10)
-
-    Weights keep tf-keras' names, so tf-keras checkpoints and weight files
-    load unchanged. Layers built before the call stay tf-keras'. The patch is
-    process-wide (do not build another model in another thread meanwhile);
-    undo it with ``restore()`` or a ``with`` block.
-
-    Args:
-      sync_statistics: the layers' default ``sync_statistics`` while the patch
-        is active (``'auto'``: synchronize over the towers they are called in).
-      num_dev: the layers' default ``num_dev`` (the number of towers of a
-        script whose towers are ``tower_<i>`` name scopes).
-
-    Returns:
-      A handle with ``restore()``, usable as a context manager.
-
-    The patch checks that those names (``tf.keras`` and ``tf.compat.v1.keras``
-    where they are Keras 2) are this library's classes; where a TensorFlow/Keras
-    release hands them out some other way, it undoes itself and raises. It
-    warns (:class:`tf1_syncbn.SyncBNWarning`) about the Keras it leaves alone:
-    ``tf.keras`` where it is Keras 3, and ``tf_keras`` where it is imported
-    beside TensorFlow 2.15's Keras 2.15 (which this module then subclasses).
-
-    Raises:
-      RuntimeError: when a patch is already active.
-      tf1_syncbn.PatchError: when a name above is not this library's class
-        after the patch (the message names the TensorFlow and Keras versions);
-        build :class:`BatchNormalization` directly instead.
-    """
-    defaults = {'sync_statistics': sync_statistics, 'num_dev': num_dev}
-    v2 = class_with_defaults(BatchNormalization, defaults)
-    v1 = class_with_defaults(BatchNormalizationV1, defaults)
-    names = _user_names(v2, v1)
-    failures(names)         # loads the modules the names go through, so that they are patched
-    patch = ClassPatch('patch_keras', {KERAS_BATCH_NORMALIZATION: v2,
-                                       KERAS_BATCH_NORMALIZATION_V1: v1},
-                       KERAS_PACKAGE + '.src.layers.serialization').apply()
-    verify('patch_keras', names, 'build tf1_syncbn.keras.BatchNormalization (or '
-           'BatchNormalizationV1) in place of Keras\' layer', undo=patch.restore)
-    _warn_about_other_keras()
-    return patch
-
-
-def _warn_about_other_keras():
-    """Says which Keras the patch leaves alone: Keras 3 as tf.keras, or tf-keras beside
-    TensorFlow 2.15's Keras 2.15 (a layer of one Keras cannot go into a model of the other)."""
-    if _keras2.tf_keras_is_keras3():
-        left, name = 'tf.keras is Keras 3, which does not build TF1 graphs', 'tf.keras'
-    elif KERAS_PACKAGE != 'tf_keras' and 'tf_keras' in sys.modules:
-        left, name = 'tf_keras is imported beside %s, which tf.keras is' % KERAS_PACKAGE, \
-            'tf_keras'
-    else:
-        return
-    warnings.warn(
-        'patch_keras: %s (%s). The patch switches %s\'s BatchNormalization only: models built '
-        'with %s.layers keep its own layer, with per-tower statistics. To switch tf-keras, set '
-        'TF_USE_LEGACY_KERAS=1 before TensorFlow is imported (tf.keras is then tf-keras).'
-        % (left, _keras2.versions(), KERAS_PACKAGE, name), SyncBNWarning, stacklevel=3)
-
-
-def _user_names(v2, v1):
-    """The names existing Keras code reaches Keras 2's layer by (:mod:`tf1_syncbn._patch_check`).
-
-    ``tf.keras`` and ``tf.compat.v1.keras`` only where they are this Keras 2 package.
-    """
-    def package():
-        return importlib.import_module(KERAS_PACKAGE)
-
-    def module():
-        return _keras_bn
-
-    def applications():
-        return importlib.import_module(KERAS_PACKAGE + '.src.layers').VersionAwareLayers()
-
-    names = [
-        Name(KERAS_PACKAGE + '.layers.BatchNormalization',
-             getattr_path(package, 'layers.BatchNormalization'), lambda c: c is v2),
-        Name(_keras_bn.__name__ + '.BatchNormalization',
-             getattr_path(module, 'BatchNormalization'), lambda c: c is v2),
-        Name('the layers of %s.applications (VersionAwareLayers)' % KERAS_PACKAGE,
-             getattr_path(applications, 'BatchNormalization'), lambda c: c is v2 or c is v1)]
-    if not _keras2.tf_keras_is_keras3():
-        names += [
-            Name('tf.keras.layers.BatchNormalization',
-                 getattr_path(lambda: tf, 'keras.layers.BatchNormalization'), lambda c: c is v2),
-            Name('tf.compat.v1.keras.layers.BatchNormalization',
-                 getattr_path(lambda: tf, 'compat.v1.keras.layers.BatchNormalization'),
-                 lambda c: c is v1)]
-    return names
+# Their public path, as users import them: Keras records a class's module in the
+# configs it saves (and imports it to load one).
+BatchNormalization.__module__ = BatchNormalizationV1.__module__ = 'tf1_syncbn.keras'

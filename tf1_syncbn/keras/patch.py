@@ -1,4 +1,4 @@
-"""How :func:`tf1_syncbn.keras.patch_keras` switches tf-keras' classes: the one adapter place.
+""":func:`patch_keras`, and how it switches tf-keras' classes: the one adapter place.
 
 Existing Keras code reaches tf-keras' ``BatchNormalization`` in many ways:
 ``tf_keras.layers.BatchNormalization``, ``tf.keras.layers.BatchNormalization``
@@ -20,16 +20,25 @@ replaces:
 
 :meth:`ClassPatch.restore` undoes each replacement and also puts the
 originals back where a module imported while the patch was active holds a
-replacement. Nothing here imports tf-keras: the caller (the module that
-defines the replacements) has.
+replacement. This module imports tf-keras (through :mod:`tf1_syncbn.keras.layer`).
 """
 
+import importlib
 import sys
 import threading
+import warnings
 
-from tf1_syncbn._modules import loaded_modules, namespace
+import tensorflow as tf
 
-__all__ = ['ClassPatch', 'class_with_defaults']
+from tf1_syncbn._core import keras2 as _keras2
+from tf1_syncbn._core.patch_check import Name, failures, getattr_path, verify
+from tf1_syncbn._core.patching import loaded_modules, namespace
+from tf1_syncbn.errors import SyncBNWarning
+from tf1_syncbn.keras.layer import (KERAS_BATCH_NORMALIZATION, KERAS_BATCH_NORMALIZATION_V1,
+                                    KERAS_PACKAGE, BatchNormalization, BatchNormalizationV1,
+                                    _keras_bn)
+
+__all__ = ['patch_keras', 'ClassPatch', 'class_with_defaults']
 
 #: Modules that keep the original classes (this library's own references).
 _OWN = ('tf1_syncbn.', 'tf1_syncbn')
@@ -150,3 +159,108 @@ class ClassPatch(object):
     def __exit__(self, *exc):
         self.restore()
         return False
+
+
+def patch_keras(sync_statistics='auto', num_dev=None):
+    """Makes tf-keras' ``BatchNormalization`` this library's, in loaded modules and new models.
+
+    After this call, code that builds tf-keras' layer builds
+    :class:`BatchNormalization` (tf-keras' v1 class: :class:`BatchNormalizationV1`)
+    instead: ``tf_keras.layers.BatchNormalization``,
+    ``tf.keras.layers.BatchNormalization`` and
+    ``tf.compat.v1.keras.layers.BatchNormalization`` with
+    ``TF_USE_LEGACY_KERAS=1``, the names your modules imported it as (``from
+    tf_keras.layers import BatchNormalization as BN`` included), the
+    ``tf_keras.applications`` models and models deserialized from a config::
+
+        import tf1_syncbn.keras
+        tf1_syncbn.keras.patch_keras(num_dev=4)     # before the model is built
+        model = tf_keras.applications.ResNet50(weights=None, classes=10)
+
+    Weights keep tf-keras' names, so tf-keras checkpoints and weight files
+    load unchanged. Layers built before the call stay tf-keras'. The patch is
+    process-wide (do not build another model in another thread meanwhile);
+    undo it with ``restore()`` or a ``with`` block.
+
+    Args:
+      sync_statistics: the layers' default ``sync_statistics`` while the patch
+        is active (``'auto'``: synchronize over the towers they are called in).
+      num_dev: the layers' default ``num_dev`` (the number of towers of a
+        script whose towers are ``tower_<i>`` name scopes).
+
+    Returns:
+      A handle with ``restore()``, usable as a context manager.
+
+    The patch checks that those names (``tf.keras`` and ``tf.compat.v1.keras``
+    where they are Keras 2) are this library's classes; where a TensorFlow/Keras
+    release hands them out some other way, it undoes itself and raises. It
+    warns (:class:`tf1_syncbn.SyncBNWarning`) about the Keras it leaves alone:
+    ``tf.keras`` where it is Keras 3, and ``tf_keras`` where it is imported
+    beside TensorFlow 2.15's Keras 2.15 (which this module then subclasses).
+
+    Raises:
+      RuntimeError: when a patch is already active.
+      tf1_syncbn.PatchError: when a name above is not this library's class
+        after the patch (the message names the TensorFlow and Keras versions);
+        build :class:`BatchNormalization` directly instead.
+    """
+    defaults = {'sync_statistics': sync_statistics, 'num_dev': num_dev}
+    v2 = class_with_defaults(BatchNormalization, defaults)
+    v1 = class_with_defaults(BatchNormalizationV1, defaults)
+    names = _user_names(v2, v1)
+    failures(names)         # loads the modules the names go through, so that they are patched
+    patch = ClassPatch('patch_keras', {KERAS_BATCH_NORMALIZATION: v2,
+                                       KERAS_BATCH_NORMALIZATION_V1: v1},
+                       KERAS_PACKAGE + '.src.layers.serialization').apply()
+    verify('patch_keras', names, 'build tf1_syncbn.keras.BatchNormalization (or '
+           'BatchNormalizationV1) in place of Keras\' layer', undo=patch.restore)
+    _warn_about_other_keras()
+    return patch
+
+
+def _warn_about_other_keras():
+    """Says which Keras the patch leaves alone: Keras 3 as tf.keras, or tf-keras beside
+    TensorFlow 2.15's Keras 2.15 (a layer of one Keras cannot go into a model of the other)."""
+    if _keras2.tf_keras_is_keras3():
+        left, name = 'tf.keras is Keras 3, which does not build TF1 graphs', 'tf.keras'
+    elif KERAS_PACKAGE != 'tf_keras' and 'tf_keras' in sys.modules:
+        left, name = 'tf_keras is imported beside %s, which tf.keras is' % KERAS_PACKAGE, \
+            'tf_keras'
+    else:
+        return
+    warnings.warn(
+        'patch_keras: %s (%s). The patch switches %s\'s BatchNormalization only: models built '
+        'with %s.layers keep its own layer, with per-tower statistics. To switch tf-keras, set '
+        'TF_USE_LEGACY_KERAS=1 before TensorFlow is imported (tf.keras is then tf-keras).'
+        % (left, _keras2.versions(), KERAS_PACKAGE, name), SyncBNWarning, stacklevel=3)
+
+
+def _user_names(v2, v1):
+    """The names existing Keras code reaches Keras 2's layer by (see ``_core.patch_check``).
+
+    ``tf.keras`` and ``tf.compat.v1.keras`` only where they are this Keras 2 package.
+    """
+    def package():
+        return importlib.import_module(KERAS_PACKAGE)
+
+    def module():
+        return _keras_bn
+
+    def applications():
+        return importlib.import_module(KERAS_PACKAGE + '.src.layers').VersionAwareLayers()
+
+    names = [
+        Name(KERAS_PACKAGE + '.layers.BatchNormalization',
+             getattr_path(package, 'layers.BatchNormalization'), lambda c: c is v2),
+        Name(_keras_bn.__name__ + '.BatchNormalization',
+             getattr_path(module, 'BatchNormalization'), lambda c: c is v2),
+        Name('the layers of %s.applications (VersionAwareLayers)' % KERAS_PACKAGE,
+             getattr_path(applications, 'BatchNormalization'), lambda c: c is v2 or c is v1)]
+    if not _keras2.tf_keras_is_keras3():
+        names += [
+            Name('tf.keras.layers.BatchNormalization',
+                 getattr_path(lambda: tf, 'keras.layers.BatchNormalization'), lambda c: c is v2),
+            Name('tf.compat.v1.keras.layers.BatchNormalization',
+                 getattr_path(lambda: tf, 'compat.v1.keras.layers.BatchNormalization'),
+                 lambda c: c is v1)]
+    return names

@@ -4,7 +4,7 @@ What tf-keras' ``BatchNormalizationBase.call`` decides before it computes
 anything, in small pure functions: which value ``training`` has, which axes
 hold the channels, whether the call builds the model's own one-device graph.
 (Whether the batch is split into ghost batches is tf.layers' rule, the same
-code: :func:`tf1_syncbn._tf_layers_rules.ghost_batches_in_training`.) Nothing here imports
+code: :func:`tf1_syncbn._core.keras2.ghost_batches_in_training`.) Nothing here imports
 tf-keras: the layer passes in what it read from tf-keras.
 """
 
@@ -54,7 +54,7 @@ def keras_channel_axes(layer, axes, axis_argument, virtual_batch_size):
 
     Returns:
       A list of ints in ``[1, rank)``: one channel axis 1 or last goes to the
-      core as it is, any other form through a view (:mod:`tf1_syncbn._axes`).
+      core as it is, any other form through a view (:mod:`tf1_syncbn._core.axes`).
 
     Raises:
       ValueError: for the batch axis 0, which normalizes every example by

@@ -1,33 +1,17 @@
-"""``tf.compat.v1.layers``' batch normalization, synchronized: a drop-in for tf.layers code.
-
-* :func:`batch_normalization`: the signature of
-  ``tf.compat.v1.layers.batch_normalization`` (tf-keras' legacy layer), plus
-  ``sync_statistics`` and ``num_dev``;
-* :class:`BatchNormalization`: the layer object, with tf.layers' object API
-  (``apply``, ``updates``, ``variables``, ``gamma``, ``moving_mean``, ...).
-
-Both translate tf.layers' arguments, defaults, variable scopes and rules into
-one call of the shared core (:func:`tf1_syncbn._core.batch_norm`). The
-variables, their scopes and automatic names (``batch_normalization``,
-``batch_normalization_1``, reuse through ``name`` plus ``reuse`` or the
-enclosing variable scope), the update ops in ``UPDATE_OPS`` and the
-regularization losses are tf.layers', so checkpoints written by tf.layers
-code restore unchanged. :func:`tf1_syncbn.patch_tf_layers` makes
-``tf.compat.v1.layers`` hand these out.
-"""
+"""The two names of :mod:`tf1_syncbn.layers`: :func:`batch_normalization`, the layer class."""
 
 import tensorflow as tf
 
-from tf1_syncbn._axes import (adjustment_in_view, from_view, needs_view, parameter_shape,
-                              plan_view, to_view)
-from tf1_syncbn._core import batch_norm
-from tf1_syncbn._options import check_graph_mode, check_inputs, check_options
-from tf1_syncbn._tf_layers_rules import (BASE_NAME, DTYPES, channel_axes, check_axis_type,
-                                         check_callable, check_rank_of_reuse,
-                                         ghost_batches_in_training, tf_layers_runs_fused_kernel,
-                                         training_value, unique_layer_name)
-from tf1_syncbn._variables import (STATISTICS_AGGREGATION, Params, RenormVariables,
-                                   received_variables)
+from tf1_syncbn._core.axes import (adjustment_in_view, from_view, needs_view, parameter_shape,
+                                   plan_view, to_view)
+from tf1_syncbn._core.call import batch_norm
+from tf1_syncbn._core.keras2 import ghost_batches_in_training
+from tf1_syncbn._core.options import check_graph_mode, check_inputs, check_options
+from tf1_syncbn.layers.rules import (BASE_NAME, DTYPES, channel_axes, check_axis_type,
+                                     check_callable, check_rank_of_reuse,
+                                     tf_layers_runs_fused_kernel, training_value, unique_layer_name)
+from tf1_syncbn._core.variables import (STATISTICS_AGGREGATION, Params, RenormVariables,
+                                        received_variables)
 
 __all__ = ['BatchNormalization', 'batch_normalization']
 
@@ -44,7 +28,7 @@ class BatchNormalization(object):
     variance tracking the Bessel-corrected batch variance where tf.layers runs
     its fused kernel (rank 4 and 5, without renorm or adjustment) and the
     biased one elsewhere (see
-    :func:`tf1_syncbn._tf_layers_rules.tf_layers_runs_fused_kernel`).
+    :func:`tf1_syncbn.layers.rules.tf_layers_runs_fused_kernel`).
 
     Variables (under the layer's variable scope, ``batch_normalization``,
     ``batch_normalization_1``, ... or ``name``): ``gamma``, ``beta``,
@@ -62,7 +46,7 @@ class BatchNormalization(object):
         the end). One axis without ``virtual_batch_size`` has variables of
         shape ``[C]``; several axes (or a virtual batch) have variables of
         the input's shape with 1 in every other axis (see
-        :mod:`tf1_syncbn._axes` for how they are computed).
+        :mod:`tf1_syncbn._core.axes` for how they are computed).
       momentum: decay of the moving averages (a number or a float scalar tensor).
       epsilon: added to the variance.
       center, scale: learn ``beta`` / ``gamma``.
@@ -90,7 +74,7 @@ class BatchNormalization(object):
         ``training``, tf.layers normalizes the whole batch at once in TF2
         behaviour, and ghost batches in TF1 behaviour
         (``disable_v2_behavior()``), and so does this layer (see
-        :func:`tf1_syncbn._tf_layers_rules.ghost_batches_in_training`). Not
+        :func:`tf1_syncbn._core.keras2.ghost_batches_in_training`). Not
         with ``renorm``, ``adjustment`` or ``fused=True``.
       adjustment: a function from the input's dynamic shape to ``(scale,
         bias)``, applied to the normalized values in training.
@@ -218,7 +202,7 @@ class BatchNormalization(object):
         """Same as calling the layer."""
         return self(inputs, *args, **kwargs)
 
-    @tf.autograph.experimental.do_not_convert     # (see tf1_syncbn._core)
+    @tf.autograph.experimental.do_not_convert     # (see tf1_syncbn._core.call)
     def __call__(self, inputs, training=False, **kwargs):
         """Normalizes ``inputs``; the first call creates the variables.
 
@@ -288,7 +272,7 @@ class BatchNormalization(object):
         vbs = self.virtual_batch_size
         axes = channel_axes(layer, self._axis_argument, rank, vbs)
         # Axes other than one channel axis 1 or last: the core normalizes a view
-        # of the input in which they are one channel axis (tf1_syncbn._axes).
+        # of the input in which they are one channel axis (tf1_syncbn._core.axes).
         view = self._view(layer, x, axes) if axes and needs_view(rank, axes) else None
         inputs = x
         adjustment = self.adjustment
@@ -333,7 +317,7 @@ class BatchNormalization(object):
         return tf.cast(outputs, dtype) if outputs.dtype != dtype else outputs
 
     def _view(self, layer, x, axes):
-        """The view for ``axes`` (:func:`tf1_syncbn._axes.plan_view`); their sizes must be known.
+        """The view for ``axes`` (:func:`~tf1_syncbn._core.axes.plan_view`); sizes must be known.
 
         With ``virtual_batch_size`` the view keeps the batch alone on its axis 0
         (whether or not this call splits it into ghost batches, so that every
@@ -400,7 +384,7 @@ class _Function(BatchNormalization):
     _api_name = 'batch_normalization'
 
 
-@tf.autograph.experimental.do_not_convert     # (see tf1_syncbn._core)
+@tf.autograph.experimental.do_not_convert     # (see tf1_syncbn._core.call)
 def batch_normalization(inputs, axis=-1, momentum=0.99, epsilon=1e-3, center=True, scale=True,
                         beta_initializer=tf1.zeros_initializer(),
                         gamma_initializer=tf1.ones_initializer(),
@@ -445,3 +429,7 @@ def batch_normalization(inputs, axis=-1, momentum=0.99, epsilon=1e-3, center=Tru
         trainable=trainable, virtual_batch_size=virtual_batch_size, adjustment=adjustment,
         name=name, sync_statistics=sync_statistics, num_dev=num_dev, _reuse=reuse, _scope=name)
     return layer(inputs, training=training)
+
+
+# Their public path, as users import them (the patch's subclass and its messages name it).
+BatchNormalization.__module__ = batch_normalization.__module__ = 'tf1_syncbn.layers'

@@ -30,7 +30,7 @@ The one place that knows how TensorFlow hands out ``tf.compat.v1.layers``:
 
 Once applied, the patch looks the names up as a script does and raises
 :class:`tf1_syncbn.PatchError` (after undoing itself) where one is not this
-library's (:mod:`tf1_syncbn._patch_check`).
+library's (:mod:`tf1_syncbn._core.patch_check`).
 
 Keras' and TensorFlow's own modules (``tf_keras.src``, ``keras.src``,
 ``tensorflow.python``) keep Keras' layer, so ``slim.batch_norm``, which
@@ -44,9 +44,9 @@ import sys
 import threading
 import types
 
-from tf1_syncbn import layers
-from tf1_syncbn._modules import loaded_modules, namespace
-from tf1_syncbn._patch_check import Name, getattr_path, verify
+from tf1_syncbn.layers import layer as layers
+from tf1_syncbn._core.patching import loaded_modules, namespace
+from tf1_syncbn._core.patch_check import Name, getattr_path, verify
 
 __all__ = ['patch_tf_layers']
 
@@ -284,7 +284,7 @@ def _replacements(sync_statistics, num_dev):
             super().__init__(*args, **dict(defaults, **kwargs))
 
     BatchNormalization.__qualname__ = 'BatchNormalization'
-    BatchNormalization.__module__ = layers.__name__
+    BatchNormalization.__module__ = layers.BatchNormalization.__module__
     return {'batch_normalization': batch_normalization, 'BatchNormalization': BatchNormalization}
 
 

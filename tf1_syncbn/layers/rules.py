@@ -12,11 +12,11 @@ import numbers
 import numpy as np
 import tensorflow as tf
 
-from tf1_syncbn._options import replaced_layer_is_fused
-from tower._state import get_graph_state
+from tf1_syncbn._core.options import replaced_layer_is_fused
+from tower.graph_state import get_graph_state
 
-__all__ = ['BASE_NAME', 'DTYPES', 'tf_layers_runs_fused_kernel', 'ghost_batches_in_training',
-           'unique_layer_name', 'check_axis_type', 'check_callable', 'channel_axes',
+__all__ = ['BASE_NAME', 'DTYPES', 'tf_layers_runs_fused_kernel', 'unique_layer_name',
+           'check_axis_type', 'check_callable', 'channel_axes',
            'training_value', 'check_rank_of_reuse']
 
 tf1 = tf.compat.v1
@@ -50,39 +50,11 @@ def tf_layers_runs_fused_kernel(fused, rank, axes, renorm, virtual_batch_size, a
       renorm, virtual_batch_size, adjustment: the arguments.
 
     Returns:
-      See :func:`tf1_syncbn._options.replaced_layer_is_fused`.
+      See :func:`tf1_syncbn._core.options.replaced_layer_is_fused`.
     """
     one_axis = len(axes) == 1 and axes[0] in (1, rank - 1)
     return one_axis and replaced_layer_is_fused(fused, rank, (4, 5),
                                                 (renorm, virtual_batch_size, adjustment))
-
-
-def ghost_batches_in_training(training):
-    """Whether tf.layers normalizes ghost batches in training, with ``virtual_batch_size`` set.
-
-    tf-keras' ``BatchNormalizationBase.call`` reshapes the batch into virtual
-    batches by a rule that depends on the TF behaviour the graph is built in
-    (``tf.__internal__.tf2.enabled()``, which ``disable_v2_behavior()``
-    turns off):
-
-    * TF2 behaviour: only for a Python ``True`` ``training``; a tensor
-      ``training`` reshapes to ``[-1, 1, ...]``, so the whole batch is one
-      virtual batch;
-    * TF1 behaviour: always ("preserve incorrect legacy behavior"), so a
-      tensor ``training`` normalizes ghost batches in its training branch.
-
-    Args:
-      training: a Python bool or a scalar bool tensor.
-
-    Returns:
-      A Python bool (False for a Python ``False``: inference uses the moving
-      statistics either way).
-    """
-    if training is True:
-        return True
-    if training is False:
-        return False
-    return not tf.__internal__.tf2.enabled()
 
 
 def unique_layer_name(graph):

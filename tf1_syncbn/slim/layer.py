@@ -5,11 +5,11 @@ from tf_slim.layers import utils as slim_utils
 from tf_slim.ops import variables as slim_variables
 from tf_slim.ops.arg_scope import add_arg_scope
 
-from tf1_syncbn._core import batch_norm
-from tf1_syncbn._options import (check_dict_keys, check_graph_mode, check_inputs, check_options,
-                                 replaced_layer_is_fused)
-from tf1_syncbn._variables import (FINETUNE_COUNTERS, STATISTICS_AGGREGATION, Params,
-                                   RenormVariables, received_variables, zero_debias_variables)
+from tf1_syncbn._core.call import batch_norm
+from tf1_syncbn._core.options import (check_dict_keys, check_graph_mode, check_inputs,
+                                      check_options, replaced_layer_is_fused)
+from tf1_syncbn._core.variables import (FINETUNE_COUNTERS, STATISTICS_AGGREGATION, Params,
+                                        RenormVariables, received_variables, zero_debias_variables)
 
 __all__ = ['sync_batch_norm']
 
@@ -20,7 +20,7 @@ _PARAM_REGULARIZER_KEYS = ('beta', 'gamma')
 
 
 @add_arg_scope
-@tf.autograph.experimental.do_not_convert     # (see tf1_syncbn._core)
+@tf.autograph.experimental.do_not_convert     # (see tf1_syncbn._core.call)
 def sync_batch_norm(inputs,
                     decay=0.999,
                     center=True,
@@ -273,7 +273,7 @@ def slim_runs_fused_kernel(fused, rank, batch_weights, renorm, adjustment, zero_
 
     Returns:
       ``(fused, keras_fused)``: whether the fused kernel runs (see
-      :func:`tf1_syncbn._options.replaced_layer_is_fused`), and whether it
+      :func:`tf1_syncbn._core.options.replaced_layer_is_fused`), and whether it
       runs inside Keras' layer, which computes ``1 - decay`` in float32.
     """
     keras_path = updates_collections is tf1.GraphKeys.UPDATE_OPS and not zero_debias

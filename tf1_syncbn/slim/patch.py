@@ -66,8 +66,8 @@ import threading
 
 from tf_slim.ops import arg_scope as slim_arg_scope
 
-from tf1_syncbn._patch_check import Name, getattr_path, verify
-from tf1_syncbn.slim_layer import sync_batch_norm
+from tf1_syncbn._core.patch_check import Name, getattr_path, verify
+from tf1_syncbn.slim.layer import sync_batch_norm
 
 __all__ = ['sync_arg_scope', 'convert_arg_scope', 'patch_slim_batch_norm',
            'is_slim_batch_norm']
@@ -348,7 +348,7 @@ _INSTEAD = ('pass normalizer_fn=tf1_syncbn.sync_batch_norm in the model\'s arg s
 
 
 def _user_names(patched):
-    """How a slim model reaches batch norm inside the block (:mod:`tf1_syncbn._patch_check`).
+    """How a slim model reaches batch norm inside the block (:mod:`tf1_syncbn._core.patch_check`).
 
     ``slim.batch_norm``, ``slim.layers.batch_norm`` and the module attribute
     that ``tf_slim.nets`` call (``tf_slim.layers.layers.batch_norm``), with

@@ -6,12 +6,12 @@ import types
 
 import tensorflow as tf
 
-from tf1_syncbn._core import batch_norm
-from tf1_syncbn._options import (check_graph_mode, check_inputs, check_options,
-                                 replaced_layer_is_fused)
-from tf1_syncbn._variables import (FINETUNE_COUNTERS, STATISTICS_AGGREGATION, Params,
-                                   RenormVariables, assignable, received_variables)
-from tf1_syncbn.tensorpack_compat import tensorpack_layer
+from tf1_syncbn._core.call import batch_norm
+from tf1_syncbn._core.options import (check_graph_mode, check_inputs, check_options,
+                                      replaced_layer_is_fused)
+from tf1_syncbn._core.variables import (FINETUNE_COUNTERS, STATISTICS_AGGREGATION, Params,
+                                        RenormVariables, assignable, received_variables)
+from tf1_syncbn.tensorpack.api import tensorpack_layer
 from tower import get_current_tower_context
 
 __all__ = ['BatchNorm', 'BatchRenorm', 'start_finetuning']
@@ -168,7 +168,7 @@ def tensorpack_runs_fused_kernel(rank, dtype, virtual_batch_size):
     N synchronized towers equal one device.
 
     Returns:
-      See :func:`tf1_syncbn._options.replaced_layer_is_fused`.
+      See :func:`tf1_syncbn._core.options.replaced_layer_is_fused`.
     """
     hint = rank == 4 or dtype == tf.float16
     return replaced_layer_is_fused(hint, rank, (4, 5), (virtual_batch_size,))
@@ -179,7 +179,7 @@ def _holder(**variables):
 
 
 @tensorpack_layer
-@tf.autograph.experimental.do_not_convert     # (see tf1_syncbn._core)
+@tf.autograph.experimental.do_not_convert     # (see tf1_syncbn._core.call)
 def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_MOMENTUM, epsilon=1e-5,
               center=_CENTER, scale=_SCALE, beta_initializer=None,
               gamma_initializer=_GAMMA_INITIALIZER,
@@ -339,7 +339,7 @@ def _attach_variables(tensor, **variables):
 
 
 @tensorpack_layer
-@tf.autograph.experimental.do_not_convert     # (see tf1_syncbn._core)
+@tf.autograph.experimental.do_not_convert     # (see tf1_syncbn._core.call)
 def BatchRenorm(name, x, rmax, dmax, *, momentum=0.9, epsilon=1e-5, center=True, scale=True,
                 gamma_initializer=None, data_format='channels_last', sync_statistics=None,
                 training=None, **legacy_kwargs):
