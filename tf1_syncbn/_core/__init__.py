@@ -16,6 +16,8 @@ In the order a call goes through it:
 * :mod:`~tf1_syncbn._core.records`: what :mod:`tf1_syncbn.export` reads of each call.
 
 And what the front-ends share besides: :mod:`~tf1_syncbn._core.keras2` (the
-Keras 2 the tf.layers and Keras front-ends replace), and
-:mod:`~tf1_syncbn._core.patching` (the patches' base).
+Keras 2 the tf.layers and Keras front-ends replace),
+:mod:`~tf1_syncbn._core.patching` (the patches' base, :class:`~tf1_syncbn._core.patching.Patch`, and
+their check) and :mod:`~tf1_syncbn._core.modules` (the loaded modules'
+namespaces, read without running their hooks).
 """

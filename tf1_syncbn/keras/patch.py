@@ -31,8 +31,8 @@ import warnings
 import tensorflow as tf
 
 from tf1_syncbn._core import keras2 as _keras2
-from tf1_syncbn._core.patch_check import Name, failures, getattr_path, verify
-from tf1_syncbn._core.patching import loaded_modules, namespace
+from tf1_syncbn._core.patching import Name, Patch, failures, getattr_path
+from tf1_syncbn._core.modules import loaded_modules, namespace
 from tf1_syncbn.errors import SyncBNWarning
 from tf1_syncbn.keras.layer import (KERAS_BATCH_NORMALIZATION, KERAS_BATCH_NORMALIZATION_V1,
                                     KERAS_PACKAGE, BatchNormalization, BatchNormalizationV1,
@@ -42,8 +42,6 @@ __all__ = ['patch_keras', 'ClassPatch', 'class_with_defaults']
 
 #: Modules that keep the original classes (this library's own references).
 _OWN = ('tf1_syncbn.', 'tf1_syncbn')
-_LOCK = threading.Lock()
-_ACTIVE = []      # the active patch, if any
 
 
 def _own(name):
@@ -67,7 +65,7 @@ def class_with_defaults(cls, defaults):
     return patched
 
 
-class ClassPatch(object):
+class ClassPatch(Patch):
     """Replaces classes across loaded modules until :meth:`restore`; a context manager.
 
     Args:
@@ -76,65 +74,41 @@ class ClassPatch(object):
       serialization_module: the name of the module whose ``LOCAL`` caches the
         Keras package's layer classes per thread
         (``'tf_keras.src.layers.serialization'``).
+      names: the :class:`~tf1_syncbn._core.patching.Name` objects that
+        :meth:`verify` checks once the classes are replaced.
+      instead: what to do where the patch cannot take effect.
     """
 
-    def __init__(self, api, replacements, serialization_module):
-        self._api = api
+    target = 'tf-keras'
+
+    def __init__(self, api, replacements, serialization_module, names=(), instead=None):
+        super().__init__()
+        self.api = api
+        self.instead = instead
         self._replacements = dict(replacements)
         self._serialization_module = serialization_module
-        self._undo = []                        # callables, run in reverse by restore()
-        self._active = False
+        self._names = list(names)
 
-    @property
-    def active(self):
-        return self._active
+    def user_names(self):
+        return self._names
 
-    def _set(self, namespace, attribute, value):
-        previous = namespace.get(attribute)
-        namespace[attribute] = value
-
-        def undo():
-            namespace[attribute] = previous
-        self._undo.append(undo)
-
-    def apply(self):
-        """Replaces the classes everywhere; raises ``RuntimeError`` when a patch is active.
-
-        Returns:
-          self.
-        """
-        with _LOCK:
-            if _ACTIVE:
-                raise RuntimeError('%s: tf-keras is already patched; restore the active patch '
-                                   'first.' % self._api)
-            self._active = True
-            try:
-                self._replace()
-            except BaseException:
-                self._undo_all()
-                raise
-            _ACTIVE.append(self)
-        return self
-
-    def _replace(self):
+    def _apply(self):
+        # Runs last on restore: modules imported while the patch was active
+        # hold replacements too.
+        self._on_undo(self._put_back)
         originals = {id(original): replacement
                      for original, replacement in self._replacements.items()}
         for name, module in loaded_modules():
             if _own(name):
                 continue
-            space = namespace(module)
-            for attribute, value in list(space.items()):
+            for attribute, value in list(namespace(module).items()):
                 if id(value) in originals:
-                    self._set(space, attribute, originals[id(value)])
+                    self._set(module, attribute, originals[id(value)], direct=True)
         serialization = sys.modules.get(self._serialization_module)
         if serialization is not None:
-            self._set(vars(serialization), 'LOCAL', threading.local())
+            self._set(serialization, 'LOCAL', threading.local(), direct=True)
 
-    def _undo_all(self):
-        self._active = False
-        while self._undo:
-            self._undo.pop()()
-        # Modules imported while the patch was active hold replacements too.
+    def _put_back(self):
         back = {id(replacement): original
                 for original, replacement in self._replacements.items()}
         for name, module in loaded_modules():
@@ -144,21 +118,6 @@ class ClassPatch(object):
             for attribute, value in list(space.items()):
                 if id(value) in back:
                     space[attribute] = back[id(value)]
-
-    def restore(self):
-        """Puts tf-keras' classes back where they were; idempotent."""
-        with _LOCK:
-            if not self._active:
-                return
-            self._undo_all()
-            _ACTIVE.remove(self)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.restore()
-        return False
 
 
 def patch_keras(sync_statistics='auto', num_dev=None):
@@ -211,9 +170,9 @@ def patch_keras(sync_statistics='auto', num_dev=None):
     failures(names)         # loads the modules the names go through, so that they are patched
     patch = ClassPatch('patch_keras', {KERAS_BATCH_NORMALIZATION: v2,
                                        KERAS_BATCH_NORMALIZATION_V1: v1},
-                       KERAS_PACKAGE + '.src.layers.serialization').apply()
-    verify('patch_keras', names, 'build tf1_syncbn.keras.BatchNormalization (or '
-           'BatchNormalizationV1) in place of Keras\' layer', undo=patch.restore)
+                       KERAS_PACKAGE + '.src.layers.serialization', names,
+                       'build tf1_syncbn.keras.BatchNormalization (or BatchNormalizationV1) in '
+                       'place of Keras\' layer').apply()
     _warn_about_other_keras()
     return patch
 
@@ -236,7 +195,7 @@ def _warn_about_other_keras():
 
 
 def _user_names(v2, v1):
-    """The names existing Keras code reaches Keras 2's layer by (see ``_core.patch_check``).
+    """The names existing Keras code reaches Keras 2's layer by (see ``_core.patching``).
 
     ``tf.keras`` and ``tf.compat.v1.keras`` only where they are this Keras 2 package.
     """

@@ -30,7 +30,7 @@ The one place that knows how TensorFlow hands out ``tf.compat.v1.layers``:
 
 Once applied, the patch looks the names up as a script does and raises
 :class:`tf1_syncbn.PatchError` (after undoing itself) where one is not this
-library's (:mod:`tf1_syncbn._core.patch_check`).
+library's (:mod:`tf1_syncbn._core.patching`).
 
 Keras' and TensorFlow's own modules (``tf_keras.src``, ``keras.src``,
 ``tensorflow.python``) keep Keras' layer, so ``slim.batch_norm``, which
@@ -41,12 +41,11 @@ import functools
 import importlib
 import importlib.abc
 import sys
-import threading
 import types
 
 from tf1_syncbn.layers import layer as layers
-from tf1_syncbn._core.patching import loaded_modules, namespace
-from tf1_syncbn._core.patch_check import Name, getattr_path, verify
+from tf1_syncbn._core.modules import loaded_modules, namespace
+from tf1_syncbn._core.patching import Name, Patch, getattr_path
 
 __all__ = ['patch_tf_layers']
 
@@ -64,9 +63,6 @@ _LOADER_SUBMODULE = '__internal__.legacy.layers'
 _LOADER_SUBMODULE_ATTRIBUTES = ('_tfll_submodule', '_submodule')
 #: The module an import statement loads in the loader's place.
 _IMPORTED_MODULE = 'tensorflow.compat.v1.layers'
-_MISSING = object()
-_LOCK = threading.Lock()
-_ACTIVE = []      # the active patch, if any
 
 
 def _is_layers_loader(value):
@@ -124,50 +120,39 @@ class _NotifyingLoader(importlib.abc.Loader):
         self._on_import(module)
 
 
-class _Patch(object):
+class _TfLayersPatch(Patch):
     """The handle :func:`patch_tf_layers` returns: a context manager, or call :meth:`restore`."""
 
+    api = 'patch_tf_layers'
+    target = 'tf.compat.v1.layers'
+
     def __init__(self, replacements):
+        super().__init__()
         self._replacements = replacements      # {name: this library's object}
-        self._undo = []                        # callables, run in reverse by restore()
-        self._active = True
+        self.instead = _INSTEAD
 
-    def _set(self, space, attribute, value, loader=False):
-        """Sets ``space.attribute``, remembering how to undo it.
+    def _apply(self):
+        self._replace()
+        loaded = sys.modules.get(_IMPORTED_MODULE)
+        if loaded is not None and not _is_layers_loader(loaded):
+            for name in _NAMES:            # imported as a module before the patch
+                self._set(loaded, name, self._replacements[name])
+        self._watch_imports()
 
-        A lazy loader is written to directly: its ``setattr`` would import
-        the module it stands for.
-        """
-        namespace = vars(space)
-        previous = namespace.get(attribute, _MISSING)
-        if previous is value:
-            return
-        if loader:
-            namespace[attribute] = value
-        else:
-            setattr(space, attribute, value)
-
-        def undo():
-            if previous is _MISSING:
-                namespace.pop(attribute, None)
-            elif not loader:
-                setattr(space, attribute, previous)
-            else:
-                namespace[attribute] = previous
-        self._undo.append(undo)
+    def user_names(self):
+        return _user_names(self._replacements)
 
     def _watch_imports(self):
         """Patches ``tensorflow.compat.v1.layers`` when an import statement loads it as a module."""
         def on_import(module):
-            with _LOCK:
-                if not self._active:
+            with self._lock:
+                if not self.active:
                     return
                 for name in _NAMES:
                     self._set(module, name, self._replacements[name])
-                self._apply()
-            verify('patch_tf_layers', _names_in(module, self._replacements,
-                                                'from tensorflow.compat.v1.layers import %s'),
-                   _INSTEAD, undo=self.restore)
+                self._replace()
+            self.verify(_names_in(module, self._replacements,
+                                  'from tensorflow.compat.v1.layers import %s'))
 
         hook = _ImportHook(_IMPORTED_MODULE, on_import)
         sys.meta_path.insert(0, hook)
@@ -175,9 +160,9 @@ class _Patch(object):
         def undo():
             if hook in sys.meta_path:
                 sys.meta_path.remove(hook)
-        self._undo.append(undo)
+        self._on_undo(undo)
 
-    def _apply(self):
+    def _replace(self):
         """Replaces tf-keras' objects in every loaded module and ``tf.compat.v1.layers``."""
         originals = {}
         for keras in filter(None, map(sys.modules.get, _KERAS_MODULES)):
@@ -196,12 +181,14 @@ class _Patch(object):
                     loaders[id(value)] = value
                 elif not internal and id(value) in originals:
                     self._set(space, attribute, originals[id(value)])
+        # A lazy loader is written to directly: its setattr would import the
+        # module it stands for.
         for loader in loaders.values():
             for attribute, value in list(vars(loader).items()):
                 if id(value) in originals:
-                    self._set(loader, attribute, originals[id(value)], loader=True)
+                    self._set(loader, attribute, originals[id(value)], direct=True)
             for name in _NAMES:
-                self._set(loader, name, self._replacements[name], loader=True)
+                self._set(loader, name, self._replacements[name], direct=True)
             if '_load' not in vars(loader):
                 self._hook(loader)
 
@@ -209,29 +196,12 @@ class _Patch(object):
         """Re-applies the patch once ``loader`` imports tf-keras (its ``_load`` copies names)."""
         def load():
             module = type(loader)._load(loader)  # noqa: SLF001 - the loader's own method
-            with _LOCK:
-                if self._active:
-                    self._apply()
+            with self._lock:
+                if self.active:
+                    self._replace()
             return module
 
-        self._set(loader, '_load', load, loader=True)
-
-    def restore(self):
-        """Puts tf.layers' objects back where they were; idempotent."""
-        with _LOCK:
-            if not self._active:
-                return
-            self._active = False
-            while self._undo:
-                self._undo.pop()()
-            _ACTIVE.remove(self)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.restore()
-        return False
+        self._set(loader, '_load', load, direct=True)
 
 
 #: What to do where the patch cannot take effect.
@@ -332,26 +302,4 @@ def patch_tf_layers(sync_statistics='auto', num_dev=None):
         after the patch: the message names the TensorFlow and Keras versions;
         call :func:`tf1_syncbn.layers.batch_normalization` directly instead.
     """
-    with _LOCK:
-        if _ACTIVE:
-            raise RuntimeError('patch_tf_layers: tf.compat.v1.layers is already patched; '
-                               'restore the active patch first.')
-        patch = _Patch(_replacements(sync_statistics, num_dev))
-        try:
-            patch._apply()  # noqa: SLF001
-            loaded = sys.modules.get(_IMPORTED_MODULE)
-            if loaded is not None and not _is_layers_loader(loaded):
-                for name in _NAMES:            # imported as a module before the patch
-                    patch._set(loaded, name, patch._replacements[name])  # noqa: SLF001
-            patch._watch_imports()  # noqa: SLF001
-        except BaseException:
-            patch._active = False  # noqa: SLF001
-            while patch._undo:  # noqa: SLF001
-                patch._undo.pop()()  # noqa: SLF001
-            raise
-        _ACTIVE.append(patch)
-    # Outside the lock: a name the patch missed makes TensorFlow's loader import
-    # Keras, which runs the patch's hook.
-    verify('patch_tf_layers', _user_names(patch._replacements), _INSTEAD,  # noqa: SLF001
-           undo=patch.restore)
-    return patch
+    return _TfLayersPatch(_replacements(sync_statistics, num_dev)).apply()

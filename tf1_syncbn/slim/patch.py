@@ -59,14 +59,14 @@ the patch too.
 """
 
 import contextlib
+import functools
 import importlib
 import inspect
 import sys
-import threading
 
 from tf_slim.ops import arg_scope as slim_arg_scope
 
-from tf1_syncbn._core.patch_check import Name, getattr_path, verify
+from tf1_syncbn._core.patching import Name, Patch, getattr_path, verify
 from tf1_syncbn.slim.layer import sync_batch_norm
 
 __all__ = ['sync_arg_scope', 'convert_arg_scope', 'patch_slim_batch_norm',
@@ -76,7 +76,6 @@ _SLIM_LAYERS_MODULE = 'tf_slim.layers.layers'
 
 
 _ORIGINAL_BATCH_NORM = importlib.import_module(_SLIM_LAYERS_MODULE).batch_norm
-_PATCH_LOCK = threading.Lock()
 _PATCHED = {}      # id(module) -> [module, original batch_norm, open blocks]
 _SYNC_KEY = slim_arg_scope.arg_scope_func_key(sync_batch_norm)
 _SLIM_KEY = slim_arg_scope.arg_scope_func_key(_ORIGINAL_BATCH_NORM)
@@ -238,25 +237,51 @@ def patch_slim_batch_norm(modules=()):
       TypeError: when ``modules`` names a module that is not loaded, or that
         has no ``batch_norm`` attribute that is slim's batch norm.
     """
-    with _PATCH_LOCK:
-        targets = _patch_targets(modules)
-        for module in targets:
+    patch = _SlimPatch(modules).apply()
+    try:
+        yield [(module, 'batch_norm') for module in patch.targets]
+    finally:
+        patch.restore()
+
+
+class _SlimPatch(Patch):
+    """``batch_norm`` of slim's modules named :func:`sync_batch_norm`, reference-counted.
+
+    Blocks nest, and blocks of several threads overlap (the replica threads of
+    ``MirroredStrategy``): each module attribute is patched by the first block
+    that reaches it and restored when the last one that patched it exits
+    (``_PATCHED``, under the kind's lock). The check of the names is
+    :func:`sync_arg_scope`'s, with the arg scope in force.
+    """
+
+    api = 'patch_slim_batch_norm'
+    target = 'tf_slim'
+    exclusive = False
+
+    def __init__(self, modules):
+        super().__init__()
+        self._modules = modules
+        self.targets = []
+
+    def _apply(self):
+        self.targets = _patch_targets(self._modules)
+        for module in self.targets:
             entry = _PATCHED.get(id(module))
             if entry is None:
                 _PATCHED[id(module)] = [module, module.batch_norm, 1]
                 module.batch_norm = sync_batch_norm
             else:
                 entry[2] += 1
-    try:
-        yield [(module, 'batch_norm') for module in targets]
-    finally:
-        with _PATCH_LOCK:
-            for module in reversed(targets):
-                entry = _PATCHED[id(module)]
-                entry[2] -= 1
-                if entry[2] == 0:
-                    module.batch_norm = entry[1]
-                    del _PATCHED[id(module)]
+            self._on_undo(functools.partial(_release, module))
+
+
+def _release(module):
+    """One block less on ``module`` (under the lock): the last one restores its ``batch_norm``."""
+    entry = _PATCHED[id(module)]
+    entry[2] -= 1
+    if entry[2] == 0:
+        module.batch_norm = entry[1]
+        del _PATCHED[id(module)]
 
 
 def _patch_targets(modules):
@@ -348,7 +373,7 @@ _INSTEAD = ('pass normalizer_fn=tf1_syncbn.sync_batch_norm in the model\'s arg s
 
 
 def _user_names(patched):
-    """How a slim model reaches batch norm inside the block (:mod:`tf1_syncbn._core.patch_check`).
+    """How a slim model reaches batch norm inside the block (:mod:`tf1_syncbn._core.patching`).
 
     ``slim.batch_norm``, ``slim.layers.batch_norm`` and the module attribute
     that ``tf_slim.nets`` call (``tf_slim.layers.layers.batch_norm``), with

@@ -7,48 +7,70 @@ tensorpack is imported only when :func:`patch_tensorpack` is called.
 import importlib
 import inspect
 
-from tf1_syncbn._core.patch_check import Name, getattr_path, verify
-from tf1_syncbn._core.patching import loaded_modules, namespace
+from tf1_syncbn._core.modules import loaded_modules, namespace
+from tf1_syncbn._core.patching import Name, Patch, getattr_path
 from tf1_syncbn.tensorpack.api import _DEFAULTS, _LAYER_NAMES, _LAYERS, _LOCK
 
 __all__ = ['patch_tensorpack']
 
 
-class _Patch(object):
+class _TensorpackPatch(Patch):
     """The handle :func:`patch_tensorpack` returns: a context manager, or call :meth:`restore`."""
 
-    def __init__(self, replaced, registry, registry_originals, defaults):
-        self._replaced = replaced          # [(module, attribute, original)]
-        self._registry = registry
-        self._registry_originals = registry_originals
-        self._defaults = defaults
-        self._active = True
+    api = 'patch_tensorpack'
+    target = 'tensorpack'
+    instead = ("call tf1_syncbn.BatchNorm / tf1_syncbn.BatchRenorm (tensorpack's arguments, "
+               "plus sync_statistics='auto') in place of tensorpack's")
+
+    def __init__(self, sync_statistics, defaults):
+        super().__init__()
+        layer_defaults = dict(defaults)
+        layer_defaults['sync_statistics'] = sync_statistics
+        self._defaults = {name: dict(layer_defaults) for name in _LAYER_NAMES}
+        self._keys = list(defaults)
+        self._replaced = []                # [(module, attribute, original)]
+        # The layers register themselves when tf1_syncbn.tensorpack.layer is
+        # imported (importing tf1_syncbn does): no import of that module here.
+        self._ours = {name: _LAYERS[name] for name in _LAYER_NAMES}
 
     @property
     def patched_modules(self):
         """The names of the modules whose attributes were replaced."""
         return sorted({module.__name__ for module, _, _ in self._replaced})
 
-    def restore(self):
-        """Puts tensorpack's layers back where they were; idempotent."""
-        if not self._active:
-            return
-        self._active = False
-        for module, attribute, original in reversed(self._replaced):
-            setattr(module, attribute, original)
-        self._registry.update(self._registry_originals)
+    def _apply(self):
+        from tensorpack.models import batch_norm as tp_batch_norm  # noqa: PLC0415
+        from tensorpack.models import registry as tp_registry  # noqa: PLC0415
+
+        ours = self._ours
+        theirs = {name: getattr(tp_batch_norm, name) for name in _LAYER_NAMES}
+        if any(f is ours[name] for name, f in theirs.items()):
+            raise RuntimeError('patch_tensorpack: tensorpack is already patched; restore the '
+                               'active patch first.')
+        replaced = _attributes_holding(theirs)
+        for key in self._keys:
+            for name, layer in ours.items():
+                if key not in inspect.signature(layer).parameters:
+                    raise TypeError('patch_tensorpack: %s has no argument %r.' % (name, key))
+        for module, attribute, original in replaced:
+            self._set(module, attribute, ours[_name_of(original, theirs)])
+        self._replaced = replaced
+        registry = tp_registry._LAYER_REGISTRY  # noqa: SLF001 - what LinearWrap reads
+        for name in _LAYER_NAMES:
+            self._set_item(registry, name, ours[name])
+        with _LOCK:
+            _DEFAULTS.update(self._defaults)
+        self._on_undo(self._drop_defaults)
+
+    def _drop_defaults(self):
         with _LOCK:
             for name in _LAYER_NAMES:
                 stack = _DEFAULTS.get(name)
                 if stack is not None and stack is self._defaults.get(name):
                     del _DEFAULTS[name]
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.restore()
-        return False
+    def user_names(self):
+        return _user_names(self._ours)
 
 
 def _attributes_holding(originals):
@@ -124,40 +146,13 @@ def patch_tensorpack(sync_statistics=None, **defaults):
 
     Raises:
       ImportError: when tensorpack is not installed.
+      RuntimeError: when a patch is already active.
+      TypeError: when a default is not an argument of both layers.
       tf1_syncbn.PatchError: when a name above is not this library's layer after
         the patch (the message names the TensorFlow and Keras versions); call
         :func:`tf1_syncbn.BatchNorm` directly instead.
     """
-    from tensorpack.models import batch_norm as tp_batch_norm  # noqa: PLC0415
-    from tensorpack.models import registry as tp_registry  # noqa: PLC0415
-
-    # The layers register themselves when tf1_syncbn.tensorpack.layer is
-    # imported (importing tf1_syncbn does): no import of that module here.
-    ours = {name: _LAYERS[name] for name in _LAYER_NAMES}
-    theirs = {name: getattr(tp_batch_norm, name) for name in _LAYER_NAMES}
-    if any(f is ours[name] for name, f in theirs.items()):
-        raise RuntimeError('patch_tensorpack: tensorpack is already patched; restore the '
-                           'active patch first.')
-    replaced = _attributes_holding(theirs)
-    for key in defaults:
-        for name, layer in ours.items():
-            if key not in inspect.signature(layer).parameters:
-                raise TypeError('patch_tensorpack: %s has no argument %r.' % (name, key))
-    registry = tp_registry._LAYER_REGISTRY  # noqa: SLF001 - what LinearWrap reads
-    registry_originals = {name: registry[name] for name in _LAYER_NAMES if name in registry}
-    layer_defaults = dict(defaults)
-    layer_defaults['sync_statistics'] = sync_statistics
-    per_layer = {name: dict(layer_defaults) for name in _LAYER_NAMES}
-    for module, attribute, original in replaced:
-        setattr(module, attribute, ours[_name_of(original, theirs)])
-    registry.update(ours)
-    with _LOCK:
-        _DEFAULTS.update(per_layer)
-    patch = _Patch(replaced, registry, registry_originals, per_layer)
-    verify('patch_tensorpack', _user_names(ours), 'call tf1_syncbn.BatchNorm / '
-           "tf1_syncbn.BatchRenorm (tensorpack's arguments, plus sync_statistics='auto') in "
-           "place of tensorpack's", undo=patch.restore)
-    return patch
+    return _TensorpackPatch(sync_statistics, defaults).apply()
 
 
 def _user_names(ours):
