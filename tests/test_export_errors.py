@@ -249,3 +249,29 @@ def test_keras_learning_phase_is_a_placeholder_with_default_too(graph):
         tf.import_graph_def(graph_def, name='')
         with tf1.Session(graph=served) as serving:
             np.testing.assert_allclose(serving.run('y:0', {'x:0': data}), expected, rtol=1e-6)
+
+
+@pytest.mark.once      # a GraphDef check, whatever the TF behaviour
+@pytest.mark.parametrize('op_type', ['HorovodAllreduce', 'HorovodBroadcast', 'NcclAllReduce',
+                                     'CollectiveReduceV2', 'SyncBnStepWatchdog', 'PyFunc'])
+def test_an_op_that_needs_this_process_is_refused_also_horovod(op_type):
+    """The exported graph may hold none of the backends' ops, Horovod's included.
+
+    The backends declare their op types (``SyncBackend.op_types``, the
+    communication library's ``op_type_prefix``); before, the export kept its
+    own list, without Horovod's. A stand-in ``NodeDef`` (no Horovod here), in
+    the graph and in a function body.
+    """
+    import tensorflow as tf
+
+    from tf1_syncbn import backends, export
+    for backend in backends.BACKENDS.values():
+        assert backend.op_type_prefix in export.FORBIDDEN_OP_PREFIXES
+        assert all(t.startswith(backend.op_type_prefix) for t in backend.op_types)
+    for where in ('graph', 'function'):
+        graph_def = tf.compat.v1.GraphDef()
+        nodes = graph_def.node if where == 'graph' else graph_def.library.function.add().node_def
+        nodes.add(name='all_reduce', op=op_type)
+        with pytest.raises(ValueError, match=r'only this library or this process can run: '
+                                             r'all_reduce \(%s\)' % op_type):
+            export._check(graph_def, {})

@@ -30,7 +30,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TIMEOUT_S = 300
-FORBIDDEN = ('SyncBn', 'Collective', 'Nccl', 'PyFunc', 'EagerPyFunc')
+FORBIDDEN = ('SyncBn', 'Collective', 'Nccl', 'Horovod', 'PyFunc', 'EagerPyFunc')
 
 
 def _model(case, x, training):

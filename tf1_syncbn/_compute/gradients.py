@@ -17,6 +17,7 @@ import contextlib
 
 import tensorflow as tf
 
+from tf1_syncbn.backends import all_op_types
 from tower.graph_state import get_graph_state
 
 __all__ = ['with_gradient', 'raw_collectives']
@@ -25,8 +26,7 @@ _GRADIENT_TYPE = 'Tf1SyncbnCustomGradient'
 _RAW_TYPE = 'Tf1SyncbnRawCollective'
 _SLOT = 'tf1_syncbn.gradients'
 #: The all-reduce ops the backends build (TensorFlow's collectives, NCCL, Horovod).
-_COLLECTIVE_TYPES = ('CollectiveReduce', 'CollectiveReduceV2', 'NcclAllReduce',
-                     'HorovodAllreduce')
+_COLLECTIVE_TYPES = tuple(sorted(all_op_types()))
 
 
 @tf.RegisterGradient(_RAW_TYPE)

@@ -23,6 +23,7 @@ batch norm (layer norm's fused kernel has no moving statistics).
 
 import re
 
+from tf1_syncbn.backends import backend_of_op_type
 from tf1_syncbn.audit.graph import (ASSIGN_OPS, VARIABLE_OPS, is_gradient_scope, parent_scope,
                                     strip_towers, tower_of)
 
@@ -31,8 +32,6 @@ __all__ = ['STATISTICS', 'Instance', 'find_layers', 'collective_group']
 #: Names of moving-statistic variables, after the layer's scope.
 STATISTICS = ('moving_mean', 'moving_variance', 'mean/EMA', 'variance/EMA')
 _FUSED = frozenset(['FusedBatchNorm', 'FusedBatchNormV2', 'FusedBatchNormV3'])
-_COLLECTIVES = {'CollectiveReduce': 'collective', 'CollectiveReduceV2': 'collective',
-                'NcclAllReduce': 'nccl', 'HorovodAllreduce': 'horovod'}
 _LIBRARY_GRADIENT = b'Tf1SyncbnCustomGradient'
 _SYNC_IDENTITY = re.compile(r'(sync_batch_norm|all_reduce)(_[0-9]+)?')
 _MOMENTS = re.compile(r'(weighted_)?moments(_[0-9]+)?')
@@ -263,14 +262,12 @@ def _linked_key(index, instance, variables, depth=6):
 
 def collective_group(node):
     """``(backend, group size or None)`` when ``node`` is an all-reduce, else None."""
-    backend = _COLLECTIVES.get(node.op)
-    if backend is None and node.op.startswith('Horovod') and 'Allreduce' in node.op:
-        backend = 'horovod'
+    backend = backend_of_op_type(node.op)
     if backend is None:
         return None
-    size = node.get_attr({'CollectiveReduce': 'group_size',
-                          'NcclAllReduce': 'num_devices'}.get(node.op, ''))
-    return backend, size.i if size is not None else None
+    attribute = backend.group_size_attributes.get(node.op)
+    size = node.get_attr(attribute) if attribute else None
+    return backend.name, size.i if size is not None else None
 
 
 def _attach_collectives(index, instances):

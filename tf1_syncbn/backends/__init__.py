@@ -25,7 +25,8 @@ interface in :mod:`~tf1_syncbn.backends.base`, and the table that turns a
 """
 
 # Besides __all__, the names the library's modules and tests reach here: the
-# shared device helpers, resolve() and VALID_NAMES, stall_shutdown_seconds().
+# shared device helpers, the table of backends (resolve, VALID_NAMES, the op
+# types), stall_shutdown_seconds().
 # ruff: noqa: F401
 from tf1_syncbn.backends.base import (SyncBackend, SyncKey, check_local_gpu, device_type,
                                       gpus_present, local_gpu_count, physical_gpu_count,
@@ -33,7 +34,8 @@ from tf1_syncbn.backends.base import (SyncBackend, SyncKey, check_local_gpu, dev
 from tf1_syncbn.backends.collective import CollectiveBackend
 from tf1_syncbn.backends.horovod import HorovodBackend, stall_shutdown_seconds
 from tf1_syncbn.backends.nccl import NcclBackend
-from tf1_syncbn.backends.resolve import VALID_NAMES, resolve
+from tf1_syncbn.backends.resolve import (BACKENDS, VALID_NAMES, all_op_type_prefixes, all_op_types,
+                                         backend_of_op_type, resolve)
 from tf1_syncbn.timeouts import DEFAULT_TIMEOUT, op_timeout
 
 __all__ = ['SyncBackend', 'SyncKey', 'CollectiveBackend', 'NcclBackend', 'HorovodBackend',

@@ -112,8 +112,23 @@ def _missing_gpu_error(layer, device, backend_name):
 class SyncBackend(object):
     """Interface of an all-reduce backend (see the module docstring)."""
 
-    #: The string that selects this backend in ``sync_statistics``.
+    #: The string that selects this backend in ``sync_statistics`` (also the
+    #: audit's label of its all-reduces).
     name = None
+
+    #: The TensorFlow op types of the all-reduce this backend builds itself.
+    #: The layers' gradients treat them as constants
+    #: (:mod:`tf1_syncbn._compute.gradients`), the audit recognizes a
+    #: synchronized layer by them (:mod:`tf1_syncbn.audit.layers`).
+    op_types = frozenset()
+
+    #: ``{op type: attribute}`` of the op types that record their group size.
+    group_size_attributes = {}
+
+    #: What every op type of the communication library behind it starts with
+    #: (``'Collective'``): an exported inference graph holds none
+    #: (:mod:`tf1_syncbn.export`), since none runs without this process.
+    op_type_prefix = None
 
     #: Whether a layer built outside any tower context, without ``num_dev``,
     #: may take itself for the only tower of its process (Horovod's

@@ -39,6 +39,9 @@ class CollectiveBackend(SyncBackend):
     """
 
     name = 'collective'
+    op_types = frozenset(['CollectiveReduce', 'CollectiveReduceV2'])
+    group_size_attributes = {'CollectiveReduce': 'group_size'}
+    op_type_prefix = 'Collective'
 
     def __init__(self, timeout=None, communication_hint='auto', num_workers=1):
         timeout = DEFAULT_TIMEOUT if timeout is None else validate_timeout(

@@ -44,6 +44,9 @@ class HorovodBackend(SyncBackend):
     """
 
     name = 'horovod'
+    # Its local sum over several towers of a process is CollectiveBackend's op.
+    op_types = frozenset(['HorovodAllreduce', 'HorovodGroupedAllreduce'])
+    op_type_prefix = 'Horovod'
     implicit_single_tower = True
     _warned_stall = False
 

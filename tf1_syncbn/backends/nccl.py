@@ -19,6 +19,9 @@ class NcclBackend(SyncBackend):
     """
 
     name = 'nccl'
+    op_types = frozenset(['NcclAllReduce'])
+    group_size_attributes = {'NcclAllReduce': 'num_devices'}
+    op_type_prefix = 'Nccl'
 
     def check(self, key):
         if key.group_size <= 1:

@@ -1,18 +1,27 @@
-"""``sync_statistics`` to a backend: the name table and :func:`resolve`."""
+"""The table of backends: ``sync_statistics`` to a backend (:func:`resolve`), op types to one.
+
+Every backend in :data:`BACKENDS` declares the op types it builds
+(:attr:`~tf1_syncbn.backends.base.SyncBackend.op_types`); the gradients, the
+audit and the export read them here, so that a new backend is one class in
+one module plus one entry below.
+"""
 
 from tf1_syncbn.backends.base import SyncBackend, device_type, gpus_present
 from tf1_syncbn.backends.collective import CollectiveBackend
 from tf1_syncbn.backends.horovod import HorovodBackend
 from tf1_syncbn.backends.nccl import NcclBackend
 
-__all__ = ['VALID_NAMES', 'resolve']
+__all__ = ['BACKENDS', 'VALID_NAMES', 'resolve', 'all_op_types', 'all_op_type_prefixes',
+           'backend_of_op_type']
 
 
-_BY_NAME = {
+#: The backends, by the name that selects them in ``sync_statistics``.
+BACKENDS = {
     'collective': CollectiveBackend,
     'nccl': NcclBackend,
     'horovod': HorovodBackend,
 }
+_BY_NAME = BACKENDS
 
 VALID_NAMES = (None, 'auto') + tuple(_BY_NAME)
 
@@ -56,3 +65,22 @@ def resolve(spec, layer, device, towers, workers=1):
     if name == 'collective':
         return CollectiveBackend(num_workers=workers)
     return _BY_NAME[name]()
+
+
+def all_op_types():
+    """Every op type a backend's all-reduce is built of (a frozenset)."""
+    return frozenset().union(*(backend.op_types for backend in BACKENDS.values()))
+
+
+def all_op_type_prefixes():
+    """What the op types of every backend's communication library start with (a tuple)."""
+    return tuple(backend.op_type_prefix for backend in BACKENDS.values()
+                 if backend.op_type_prefix)
+
+
+def backend_of_op_type(op_type):
+    """The backend class whose all-reduce builds ops of ``op_type``, or None."""
+    for backend in BACKENDS.values():
+        if op_type in backend.op_types:
+            return backend
+    return None

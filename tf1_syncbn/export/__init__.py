@@ -1,7 +1,7 @@
 """Inference graphs from training graphs: a frozen ``GraphDef`` or a SavedModel.
 
 A training graph of this library's layers holds what serving cannot load:
-all-reduces between towers (``CollectiveReduce``, ``NcclAllReduce``), the
+all-reduces between towers (``CollectiveReduce``, ``NcclAllReduce``, Horovod's), the
 compiled kernels and the step watchdog (``SyncBn*`` ops), and, with a tensor
 ``is_training``, a ``tf.cond`` per layer whose training branch holds them.
 TensorFlow's own ``convert_variables_to_constants`` keeps all of them, even
@@ -49,15 +49,18 @@ import re
 import tensorflow as tf
 
 from tf1_syncbn._compute import math as _math
+from tf1_syncbn.backends import all_op_type_prefixes
+from tf1_syncbn.kernels import OP_TYPE_PREFIX
 from tf1_syncbn.export import checks as _checks
 
 tf1 = tf.compat.v1
 
 __all__ = ['inference_graph_def', 'export_saved_model', 'FORBIDDEN_OP_PREFIXES']
 
-#: Op types an exported graph may not hold: the compiled library's ops, the
-#: collectives, NCCL and Python ops (none of them loads without this process).
-FORBIDDEN_OP_PREFIXES = ('SyncBn', 'Collective', 'Nccl', 'PyFunc', 'EagerPyFunc')
+#: Op types an exported graph may not hold: the compiled library's ops, every
+#: backend's communication library (TensorFlow's collectives, NCCL, Horovod:
+#: what the backends declare) and Python ops (none of them loads without this process).
+FORBIDDEN_OP_PREFIXES = ((OP_TYPE_PREFIX,) + all_op_type_prefixes() + ('PyFunc', 'EagerPyFunc'))
 _SCOPE = 'tf1_syncbn_export'
 _NAME = re.compile(r'^[A-Za-z0-9.][A-Za-z0-9_.\-]*$')
 _MODEL_SCOPE = 'model'
