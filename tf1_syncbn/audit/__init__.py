@@ -29,7 +29,9 @@ which prints the report and exits with status 1 when there are problems
 Where each part lives: :mod:`~tf1_syncbn.audit.graph` reads a graph (its
 function library and meta graphs included) into an index;
 :mod:`~tf1_syncbn.audit.layers` finds the batch-norm layers and their towers;
-:mod:`~tf1_syncbn.audit.rules` holds the checks and :func:`audit_graph`;
+:mod:`~tf1_syncbn.audit.facts` gathers what is known of each layer (a typed
+record); :mod:`~tf1_syncbn.audit.rules` holds the one list of checks
+(``RULES``, a function each) and :func:`audit_graph`, which applies them;
 :mod:`~tf1_syncbn.audit.report` is the report; :mod:`~tf1_syncbn.audit.command`
 the command line.
 """

@@ -21,13 +21,14 @@ evaluation path under another scope); else, for a plain kernel, it is not
 batch norm (layer norm's fused kernel has no moving statistics).
 """
 
+import collections
 import re
 
 from tf1_syncbn.backends import backend_of_op_type
 from tf1_syncbn.audit.graph import (ASSIGN_OPS, VARIABLE_OPS, is_gradient_scope, parent_scope,
                                     strip_towers, tower_of)
 
-__all__ = ['STATISTICS', 'Instance', 'find_layers', 'collective_group']
+__all__ = ['STATISTICS', 'Instance', 'FoundLayers', 'find_layers', 'collective_group']
 
 #: Names of moving-statistic variables, after the layer's scope.
 STATISTICS = ('moving_mean', 'moving_variance', 'mean/EMA', 'variance/EMA')
@@ -172,6 +173,9 @@ def _instances(index, patterns, variables):
             instance.key = key
     return instances
 
+
+#: What :func:`find_layers` returns (see there).
+FoundLayers = collections.namedtuple('FoundLayers', ['layers', 'variables', 'updates', 'backward'])
 
 _CALL_SUFFIX = re.compile(r'(.+)_[0-9]+')
 
@@ -319,7 +323,7 @@ def find_layers(index, patterns):
       patterns: compiled tower patterns (one group: the index).
 
     Returns:
-      A dict with ``layers`` (``{layer key: [Instance]}``), ``variables``
+      A :class:`FoundLayers`: ``layers`` (``{layer key: [Instance]}``), ``variables``
       (``{variable node key: (layer key, statistic, node)}``), ``updates``
       (``{variable node key: [assign nodes]}``: every assignment but
       initializers and restores) and ``backward`` (``{layer key: [backward
@@ -338,5 +342,5 @@ def find_layers(index, patterns):
         owner = _backward_owner(node, synced, patterns)
         if owner is not None:
             backward.setdefault(owner, []).append(node)
-    return dict(layers=layers, variables=variables, updates=_updates(index, variables),
-                backward=backward)
+    return FoundLayers(layers=layers, variables=variables, updates=_updates(index, variables),
+                       backward=backward)

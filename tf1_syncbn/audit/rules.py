@@ -1,23 +1,33 @@
-"""The audit's rules: what is a problem, and :func:`audit_graph`.
+"""The audit's rules, :data:`RULES`, and :func:`audit_graph`, which applies them.
 
 :func:`audit_graph` finds the graph's batch-norm layers
 (:mod:`tf1_syncbn.audit.layers`, on the graph flattened by
-:mod:`tf1_syncbn.audit.graph`) and reports, per layer, as problems:
+:mod:`tf1_syncbn.audit.graph`), gathers each layer's
+:class:`~tf1_syncbn.audit.facts.LayerFacts` (:mod:`tf1_syncbn.audit.facts`)
+and applies every rule of :data:`RULES` to them, in order. A rule is a small
+function of a layer's facts that returns its findings: :class:`Problem`
+strings (the audit fails) and :class:`Note` strings (information only). To
+add a check, write one such function and add it to :data:`RULES`.
 
-* a layer built in more than one tower that normalizes each tower with its
-  own batch's statistics, or synchronizes only some towers;
-* moving-average updates that do not run when the train op runs (reachable
-  from it through data or control edges, the layer's own output included:
-  ``updates_collections=None``);
-* a moving variable assigned by more than one update op in one step;
-* a synchronized layer whose all-reduce group is smaller than the towers
-  that build it;
-* a layer trained by copies on several devices that no tower name tells
-  apart (an unnamed tower loop: ``tf.device('/gpu:%d' % i)`` without
-  ``tower_<i>`` scopes, or an unregistered convention), none synchronized;
+The problems:
 
-and, as notes only, inference-mode layers in a training tower. The report
-is an :class:`~tf1_syncbn.audit.report.AuditReport`. The command line is
+* :func:`unsynchronized_towers`: a layer built in more than one tower that
+  normalizes each tower with its own batch's statistics, or synchronizes
+  only some towers, or over a group smaller than its towers;
+* :func:`untowered_copies`: a layer trained by copies on several devices
+  that no tower name tells apart (an unnamed tower loop:
+  ``tf.device('/gpu:%d' % i)`` without ``tower_<i>`` scopes, or an
+  unregistered convention), none synchronized;
+* :func:`updates_not_run`: moving-average updates that do not run when the
+  train op runs (reachable from it through data or control edges, the
+  layer's own output included: ``updates_collections=None``);
+* :func:`updates_of_several_towers`: a moving variable assigned by the
+  update ops of more than one tower in one step;
+
+and the notes: :func:`several_inputs` (a layer applied to several inputs in
+one step), :func:`frozen_in_training_tower` (inference-mode copies in a
+training tower), :func:`updates_never_built`. The report is an
+:class:`~tf1_syncbn.audit.report.AuditReport`. The command line is
 :mod:`tf1_syncbn.audit`.
 """
 
@@ -26,17 +36,215 @@ import re
 import tensorflow as tf
 
 from tf1_syncbn.audit import report as report_lib
-from tf1_syncbn.audit.graph import GraphIndex, parent_scope, tower_of
-from tf1_syncbn.audit.layers import collective_group, find_layers
+from tf1_syncbn.audit.facts import graph_facts, layer_facts, towers_of, unique_towers
+from tf1_syncbn.audit.graph import GraphIndex
 from tower import harness
 
-__all__ = ['audit_graph']
+__all__ = ['audit_graph', 'RULES', 'Problem', 'Note']
+
+
+class Problem(str):
+    """A rule's finding that fails the audit (it names the layer and the fix)."""
+
+
+class Note(str):
+    """A rule's finding for information only."""
+
 
 _UPDATE_FIX = ('Run them in the same step: build the train op under '
                'tf.control_dependencies(tf.compat.v1.get_collection('
                'tf.compat.v1.GraphKeys.UPDATE_OPS)) (Keras layers: their layer.updates), '
                'fetch them with the train op, or (slim) build the layer with '
                'updates_collections=None.')
+
+
+def _some(names, shown=3):
+    names = list(names)
+    more = len(names) - shown
+    return ', '.join(names[:shown]) + (', and %d more' % more if more > 0 else '')
+
+
+def unsynchronized_towers(layer):
+    """Problem: training towers that do not all-reduce together, over every tower."""
+    key, towers, synced = layer.key, layer.training_towers, layer.synced_towers
+    sizes, backends = layer.group_sizes, layer.backends
+    if len(towers) < 2:
+        return []
+    listed = report_lib.format_towers(towers)
+    if not synced:
+        if layer.computation == 'tf1_syncbn':
+            fix = ("Pass sync_statistics='auto' (or a backend) instead of None")
+        else:
+            fix = ('Synchronize it: tf1_syncbn.sync_batch_norm as the normalizer_fn (slim; '
+                   'tf_slim.nets built inside tf1_syncbn.sync_arg_scope()), '
+                   'tf1_syncbn.patch_tf_layers() or tf1_syncbn.layers (tf.layers), '
+                   'tf1_syncbn.keras.patch_keras() (Keras), tf1_syncbn.BatchNorm or '
+                   'tf1_syncbn.patch_tensorpack() (tensorpack)')
+        return [Problem(
+            '%s: built in %d towers (%s) but normalizes each tower with its own batch\'s '
+            'statistics (no all-reduce). %s; add num_dev=%d where no tower context gives '
+            'the number of towers (tower_<i> / clone_<i> loops).'
+            % (key, len(towers), listed, fix, len(towers)))]
+    unsynced = [t for t in towers if t not in synced]
+    if unsynced:
+        return [Problem(
+            '%s: synchronized in %s but not in %s: the all-reduce waits for towers '
+            'that never join it, and the others normalize alone. Build the layer with the '
+            'same sync_statistics in every tower.'
+            % (key, report_lib.format_towers(synced), report_lib.format_towers(unsynced)))]
+    if sizes and min(sizes) < len(towers):
+        return [Problem(
+            '%s: synchronized over a group of %d (%s all-reduce) but built in %d towers '
+            '(%s), so each all-reduce covers part of the global batch. Make the group span '
+            'every tower: build the towers with call_for_each_tower or '
+            'TowerContext(total=%d), pass num_dev=%d for name-scope towers, or use a '
+            'backend whose group_size() counts every tower.'
+            % (key, min(sizes), '/'.join(sorted(backends)) or 'an', len(towers), listed,
+               len(towers), len(towers)))]
+    return []
+
+
+def untowered_copies(layer):
+    """Problem: copies that no tower name tells apart, trained on several devices, none synced.
+
+    A tower loop that neither the layer nor the audit can see (no tower name
+    scope, or an unregistered one, and no tower context): every copy had a
+    group of one.
+    """
+    problems = []
+    for tower, copies in layer.untowered.items():
+        if layer.computation == 'tf1_syncbn':
+            fix = 'Pass'
+        else:
+            fix = ("With tf1_syncbn's layers (sync_batch_norm, tf1_syncbn.layers, "
+                   'tf1_syncbn.keras, BatchNorm, or the patches patch_tf_layers(), '
+                   'keras.patch_keras(), patch_tensorpack()), pass')
+        scopes = sorted(s for found in copies.values() for s in found)
+        problems.append(Problem(
+            '%s: trained by copies on %d devices (%s) that no tower name tells apart (%s%s), '
+            "each normalizing with its own device's batch (no all-reduce): a tower loop the "
+            'layer cannot see. %s num_dev=<number of towers> and build tower i under a '
+            'name scope tower_<i> (or register your convention: '
+            "tower.register_tower_pattern(r'gpu_([0-9]+)') for gpu_<i>, and audit with "
+            'tower_patterns / --tower-pattern), or build the towers in tower.TowerContext / '
+            'tower.call_for_each_tower. (A model split across devices on purpose, one tower, '
+            'shows the same way.)'
+            % (layer.key, len(copies), ', '.join(sorted(copies)), _some(scopes),
+               ' in ' + tower if tower else '', fix)))
+    return problems
+
+
+def updates_not_run(layer):
+    """Problem: statistics none of whose updates the step runs (they never move)."""
+    if not layer.step_updates or not layer.unreached_statistics:
+        return []
+    built = sorted(u.name for node, _ in layer.moving
+                   for u in layer.graph.updates.get(node.key, []))
+    return [Problem(
+        '%s: its moving-average updates (%s) do not run when the train op runs, so %s '
+        'never move from their initial values, and inference uses those. %s'
+        % (layer.key, _some(built), ' and '.join(layer.unreached_statistics), _UPDATE_FIX))]
+
+
+def updates_of_several_towers(layer):
+    """Problem: a moving variable assigned by the update ops of several towers in one step."""
+    if not layer.step_updates:
+        return []
+    problems = []
+    for node, stat, names in layer.reached_updates:
+        towers = towers_of(names, layer.graph.patterns)
+        if len(names) < 2 or len(towers) < 2:
+            continue
+        problems.append(Problem(
+            '%s: %s (%s) is assigned by update ops of %d towers (%s) in one step (%s), so '
+            'it moves once per tower per step. Run one tower\'s update ops '
+            '(tf.compat.v1.get_collection(UPDATE_OPS, <one tower\'s scope>)), or use '
+            'tf1_syncbn\'s layers, which build the updates once and share them with every '
+            'tower.' % (layer.key, stat, node.name, len(towers), report_lib.format_towers(towers),
+                        _some(names))))
+    return problems
+
+
+def several_inputs(layer):
+    """Note: a layer applied to several inputs of one tower in one step (a Siamese network).
+
+    Not where its copies are an unnamed tower loop (:func:`untowered_copies`).
+    """
+    if not layer.step_updates or layer.untowered:
+        return []
+    first = min(stat for _, stat in layer.moving)
+    notes = []
+    for node, stat, names in layer.reached_updates:
+        towers = towers_of(names, layer.graph.patterns)
+        if len(names) < 2 or len(towers) > 1 or stat != first:
+            continue
+        tower = towers[0] if towers else ''
+        notes.append(Note(
+            '%s: applied to %d inputs in one step (%s), each call updating the moving '
+            'statistics, so they move %d times per step, as the layer does on one device '
+            '(a Siamese network, two views, micro-batches). Each call normalizes with its '
+            'input\'s own statistics (over every tower when synchronized).'
+            % (layer.key, len(names), _some(sorted(i.scope for i in layer.training
+                                                   if i.tower == tower)), len(names))))
+    return notes
+
+
+def frozen_in_training_tower(layer):
+    """Note: copies that normalize with the moving statistics in a tower that trains."""
+    frozen = layer.frozen_towers
+    if not frozen:
+        return []
+    return [Note('%s: normalizes with its moving statistics (inference mode) in '
+                 'training tower%s %s: they stay frozen while the tower trains. Fine '
+                 'when fine-tuning with frozen batch norm; else build it with '
+                 'is_training=True (training=True).'
+                 % (layer.key, 's' if len(frozen) > 1 else '',
+                    report_lib.format_towers(frozen)))]
+
+
+def updates_never_built(layer):
+    """Note: a layer that trains with batch statistics but builds no update of them."""
+    if layer.update_status != report_lib.UPDATES_NONE:
+        return []
+    return [Note('%s: trains with batch statistics, but no op updates its moving '
+                 'statistics (none was built, e.g. ema_update=\'skip\').' % layer.key)]
+
+
+#: The checks, in the order their findings are reported: each takes a layer's
+#: :class:`~tf1_syncbn.audit.facts.LayerFacts` and returns a list of
+#: :class:`Problem` and :class:`Note` strings.
+RULES = (
+    unsynchronized_towers,
+    untowered_copies,
+    updates_not_run,
+    updates_of_several_towers,
+    several_inputs,
+    frozen_in_training_tower,
+    updates_never_built,
+)
+
+
+def _synchronized(synced_towers, training_towers):
+    if not synced_towers:
+        return False
+    return True if len(synced_towers) == len(training_towers) else None
+
+
+def _layer_audit(layer, findings):
+    """The report's :class:`~tf1_syncbn.audit.report.LayerAudit` of a layer's facts."""
+    return report_lib.LayerAudit(
+        layer.key, towers=layer.towers, training_towers=layer.training_towers,
+        inference_towers=layer.inference_towers, mode=layer.mode,
+        computation=layer.computation,
+        synchronized=_synchronized(layer.synced_towers, layer.training_towers),
+        backend='/'.join(sorted(layer.backends)) or None,
+        group_size=layer.group_sizes[-1] if layer.group_sizes else None,
+        collectives_per_step=layer.collectives_per_step,
+        updates=layer.update_status, update_ops=layer.update_ops,
+        moving_variables=tuple(sorted(node.name for node, _ in layer.moving)),
+        devices=layer.devices,
+        problems=[str(f) for f in findings if isinstance(f, Problem)],
+        notes=[str(f) for f in findings if not isinstance(f, Problem)])
 
 
 def _graph_def_and_train_ops(graph):
@@ -94,230 +302,6 @@ def _patterns(extra):
     return compiled
 
 
-def _unique(labels):
-    return tuple(sorted(set(labels), key=report_lib.tower_sort_key))
-
-
-def _update_status(key, training, variables, updates, reached, index, patterns,
-                   several_inputs_note=True):
-    """``(status, update op names, problems, notes)`` of a layer's moving-average updates.
-
-    ``several_inputs_note``: note a layer applied to several inputs of one
-    tower (False where its copies are an unnamed tower loop, a problem).
-    """
-    own = [(node, stat) for k, stat, node in variables.values() if k == key]
-    built = [u for node, _ in own for u in updates.get(node.key, [])]
-    if not training:
-        return report_lib.UPDATES_INFERENCE, (), [], []
-    if not built:
-        return report_lib.UPDATES_NONE, (), [], []
-    names = tuple(sorted(u.name for u in built))
-    if reached is None:
-        return report_lib.UPDATES_NOT_CHECKED, names, [], []
-    if not any(i.reached(reached) for i in training):
-        return report_lib.UPDATES_OUTSIDE, names, [], []
-    problems, notes = [], []
-    run = [u for u in built if u.key in reached]
-    stats = sorted({stat for _, stat in own})
-    missing = [s for s in stats if not any(u.key in reached for node, stat in own if stat == s
-                                           for u in updates.get(node.key, []))]
-    if missing:
-        problems.append(
-            '%s: its moving-average updates (%s) do not run when the train op runs, so %s '
-            'never move from their initial values, and inference uses those. %s'
-            % (key, _some(names), ' and '.join(missing), _UPDATE_FIX))
-    for node, stat in own:
-        twice = sorted(u.name for u in updates.get(node.key, []) if u.key in reached)
-        if len(twice) < 2:
-            continue
-        towers = _unique(tower_of(name, patterns) or '' for name in twice)
-        if len(towers) > 1:
-            problems.append(
-                '%s: %s (%s) is assigned by update ops of %d towers (%s) in one step (%s), so '
-                'it moves once per tower per step. Run one tower\'s update ops '
-                '(tf.compat.v1.get_collection(UPDATE_OPS, <one tower\'s scope>)), or use '
-                'tf1_syncbn\'s layers, which build the updates once and share them with every '
-                'tower.' % (key, stat, node.name, len(towers), report_lib.format_towers(towers),
-                            _some(twice)))
-        elif stat == stats[0] and several_inputs_note:
-            notes.append(
-                '%s: applied to %d inputs in one step (%s), each call updating the moving '
-                'statistics, so they move %d times per step, as the layer does on one device '
-                '(a Siamese network, two views, micro-batches). Each call normalizes with its '
-                'input\'s own statistics (over every tower when synchronized).'
-                % (key, len(twice), _some(sorted(i.scope for i in training
-                                                 if i.tower == (towers[0] if towers else ''))),
-                   len(twice)))
-    if missing:
-        return report_lib.UPDATES_NOT_RUN, names, problems, notes
-    scopes = {i.scope for i in training}
-    inside = any(consumer.op in ('Identity', 'IdentityN') and
-                 parent_scope(consumer.name) in scopes
-                 for u in run for consumer, control in index.consumers(u) if control)
-    return (report_lib.UPDATES_IN_LAYER if inside else report_lib.UPDATES_RUN,
-            tuple(sorted(u.name for u in run)), problems, notes)
-
-
-def _some(names, shown=3):
-    names = list(names)
-    more = len(names) - shown
-    return ', '.join(names[:shown]) + (', and %d more' % more if more > 0 else '')
-
-
-def _sync_problems(key, computation, towers, synced_towers, sizes, backends):
-    """The problems of a layer's synchronization across the towers that train it."""
-    if len(towers) < 2:
-        return []
-    listed = report_lib.format_towers(towers)
-    if not synced_towers:
-        if computation == 'tf1_syncbn':
-            fix = ("Pass sync_statistics='auto' (or a backend) instead of None")
-        else:
-            fix = ('Synchronize it: tf1_syncbn.sync_batch_norm as the normalizer_fn (slim; '
-                   'tf_slim.nets built inside tf1_syncbn.sync_arg_scope()), '
-                   'tf1_syncbn.patch_tf_layers() or tf1_syncbn.layers (tf.layers), '
-                   'tf1_syncbn.keras.patch_keras() (Keras), tf1_syncbn.BatchNorm or '
-                   'tf1_syncbn.patch_tensorpack() (tensorpack)')
-        return ['%s: built in %d towers (%s) but normalizes each tower with its own batch\'s '
-                'statistics (no all-reduce). %s; add num_dev=%d where no tower context gives '
-                'the number of towers (tower_<i> / clone_<i> loops).'
-                % (key, len(towers), listed, fix, len(towers))]
-    unsynced = [t for t in towers if t not in synced_towers]
-    if unsynced:
-        return ['%s: synchronized in %s but not in %s: the all-reduce waits for towers '
-                'that never join it, and the others normalize alone. Build the layer with the '
-                'same sync_statistics in every tower.'
-                % (key, report_lib.format_towers(synced_towers),
-                   report_lib.format_towers(unsynced))]
-    if sizes and min(sizes) < len(towers):
-        return ['%s: synchronized over a group of %d (%s all-reduce) but built in %d towers '
-                '(%s), so each all-reduce covers part of the global batch. Make the group span '
-                'every tower: build the towers with call_for_each_tower or '
-                'TowerContext(total=%d), pass num_dev=%d for name-scope towers, or use a '
-                'backend whose group_size() counts every tower.'
-                % (key, min(sizes), '/'.join(sorted(backends)) or 'an', len(towers), listed,
-                   len(towers), len(towers))]
-    return []
-
-
-def _canonical_device(device):
-    try:
-        return tf.DeviceSpec.from_string(device).to_string()
-    except ValueError:
-        return device
-
-
-def _untowered_problems(key, computation, in_step):
-    """Copies that no tower name tells apart, trained on several devices, none synchronized.
-
-    A tower loop that neither the layer nor the audit can see (no tower name
-    scope, or an unregistered one, and no tower context): every copy had a
-    group of one.
-    """
-    by_tower = {}
-    for instance in in_step:
-        if instance.collectives or not instance.device:
-            continue
-        copies = by_tower.setdefault(instance.tower, {})
-        copies.setdefault(_canonical_device(instance.device), []).append(instance.scope)
-    problems = []
-    for tower, copies in sorted(by_tower.items()):
-        if len(copies) < 2:
-            continue
-        if computation == 'tf1_syncbn':
-            fix = 'Pass'
-        else:
-            fix = ("With tf1_syncbn's layers (sync_batch_norm, tf1_syncbn.layers, "
-                   'tf1_syncbn.keras, BatchNorm, or the patches patch_tf_layers(), '
-                   'keras.patch_keras(), patch_tensorpack()), pass')
-        scopes = sorted(s for found in copies.values() for s in found)
-        problems.append(
-            '%s: trained by copies on %d devices (%s) that no tower name tells apart (%s%s), '
-            "each normalizing with its own device's batch (no all-reduce): a tower loop the "
-            'layer cannot see. %s num_dev=<number of towers> and build tower i under a '
-            'name scope tower_<i> (or register your convention: '
-            "tower.register_tower_pattern(r'gpu_([0-9]+)') for gpu_<i>, and audit with "
-            'tower_patterns / --tower-pattern), or build the towers in tower.TowerContext / '
-            'tower.call_for_each_tower. (A model split across devices on purpose, one tower, '
-            'shows the same way.)'
-            % (key, len(copies), ', '.join(sorted(copies)), _some(scopes),
-               ' in ' + tower if tower else '', fix))
-    return problems
-
-
-def _synchronized(synced_towers, training_towers):
-    if not synced_towers:
-        return False
-    return True if len(synced_towers) == len(training_towers) else None
-
-
-def _layer(key, group, found):
-    """The :class:`LayerAudit` of one layer from its towers' instances."""
-    index, reached = found['index'], found['reached']
-    training = [i for i in group if i.training]
-    # With a train op, copies that the step never runs (a Keras model's own
-    # graph on its keras.Input placeholders, next to the towers that call the
-    # model) are not among the towers it synchronizes.
-    in_step = [i for i in training if i.reached(reached)] or training
-    kinds = set().union(*(i.kinds for i in group))
-    computation = ('tf1_syncbn' if 'library' in kinds else 'fused' if 'fused' in kinds else
-                   'moments' if 'moments' in kinds else '-')
-    training_towers = _unique(i.tower for i in in_step)
-    synced_towers = _unique(i.tower for i in in_step if i.collectives)
-    forward = [c for i in in_step for c in i.collectives]
-    described = [collective_group(c) for c in forward]
-    backends = {b for b, _ in described}
-    sizes = sorted({s for _, s in described if s})
-    collectives = forward + found['backward'].get(key, [])
-    untowered = _untowered_problems(key, computation, in_step)
-    status, update_ops, update_problems, update_notes = _update_status(
-        key, training, found['variables'], found['updates'], reached, index, found['patterns'],
-        several_inputs_note=not untowered)
-    mode = ('infer' if not training else
-            'train+infer' if any(i.inference for i in group) else 'train')
-    layer = report_lib.LayerAudit(
-        key, towers=_unique(i.tower for i in group), training_towers=training_towers,
-        inference_towers=_unique(i.tower for i in group if i.inference), mode=mode,
-        computation=computation,
-        synchronized=_synchronized(synced_towers, training_towers),
-        backend='/'.join(sorted(backends)) or None, group_size=sizes[-1] if sizes else None,
-        collectives_per_step=sum(1 for c in collectives if reached is None or c.key in reached),
-        updates=status, update_ops=update_ops,
-        moving_variables=tuple(sorted(n.name for k, _, n in found['variables'].values()
-                                      if k == key)),
-        devices=tuple(sorted({_canonical_device(i.device) for i in in_step if i.device})))
-    layer.problems = _sync_problems(key, computation, training_towers, synced_towers, sizes,
-                                    backends) + untowered + update_problems
-    layer.notes = update_notes
-    return layer
-
-
-def _notes(layers, by_key, reached):
-    """Information only: inference-mode copies in training towers, updates never built."""
-    training_towers = {i.tower for group in by_key.values() for i in group
-                       if i.training and i.reached(reached)}
-    notes = []
-    for layer in layers:
-        notes.extend(layer.notes)
-        frozen = _unique(i.tower for i in by_key[layer.name]
-                         if not i.training and i.tower in training_towers and
-                         i.reached(reached))
-        if frozen:
-            notes.append('%s: normalizes with its moving statistics (inference mode) in '
-                         'training tower%s %s: they stay frozen while the tower trains. Fine '
-                         'when fine-tuning with frozen batch norm; else build it with '
-                         'is_training=True (training=True).'
-                         % (layer.name, 's' if len(frozen) > 1 else '',
-                            report_lib.format_towers(frozen)))
-        if layer.updates == report_lib.UPDATES_NONE:
-            notes.append('%s: trains with batch statistics, but no op updates its moving '
-                         'statistics (none was built, e.g. ema_update=\'skip\').' % layer.name)
-    if reached is None:
-        notes.append('Moving-average updates were not checked: pass train_op (what one '
-                     'training step runs; --train-op NAME on the command line).')
-    return notes
-
-
 def audit_graph(graph, train_op=None, tower_patterns=None):
     """Audits every batch-norm layer of a training graph (see the module docstring).
 
@@ -355,13 +339,15 @@ def audit_graph(graph, train_op=None, tower_patterns=None):
                              'that one training step runs, or its name as the graph has it '
                              '(train_op.name).' % name)
         roots.append(node)
-    found = find_layers(index, patterns)
-    found.update(index=index, reached=index.reachable(roots) if roots else None,
-                 patterns=patterns)
-    by_key, reached = found['layers'], found['reached']
-    layers = [_layer(key, by_key[key], found) for key in sorted(by_key)]
+    found = graph_facts(index, patterns, roots)
+    layers = []
+    for key in sorted(found.layers):
+        facts = layer_facts(key, found)
+        layers.append(_layer_audit(facts, [f for rule in RULES for f in rule(facts)]))
     problems = [p for layer in layers for p in layer.problems]
-    towers = _unique(i.tower for group in by_key.values() for i in group if i.tower)
-    return report_lib.AuditReport(layers, problems, _notes(layers, by_key, reached), names,
-                                  towers)
-
+    notes = [n for layer in layers for n in layer.notes]
+    if found.reached is None:
+        notes.append('Moving-average updates were not checked: pass train_op (what one '
+                     'training step runs; --train-op NAME on the command line).')
+    towers = unique_towers(i.tower for group in found.layers.values() for i in group if i.tower)
+    return report_lib.AuditReport(layers, problems, notes, names, towers)
