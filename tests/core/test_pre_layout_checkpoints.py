@@ -22,7 +22,8 @@ import tensorflow as tf
 import tf_behavior
 from tower import virtual_cpu_config
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'pre_layout')
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'data',
+                    'pre_layout')
 tf1 = tf.compat.v1
 
 

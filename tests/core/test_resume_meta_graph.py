@@ -29,7 +29,9 @@ import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+#: The helpers and the scripts the tests start.
+SUPPORT = os.path.join(ROOT, 'tests', 'support')
 TOWERS = 4
 STEPS_BEFORE, STEPS_AFTER = 3, 2
 TIMEOUT_S = 240
@@ -214,7 +216,7 @@ def test_a_scoped_meta_graph_leaves_out_the_tower_check_as_the_docs_say(tmp_path
 
 
 if __name__ == '__main__':
-    sys.path.insert(0, HERE)
+    sys.path.insert(0, SUPPORT)
     mode, directory = sys.argv[1:3]
     print(json.dumps({'train': _train, 'resume': _resume,
                       'new-gradients': _new_gradients}[mode](directory)))

@@ -6,7 +6,7 @@ import sys
 
 import tf_behavior
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_two_workers_of_two_towers_equal_the_global_batch():

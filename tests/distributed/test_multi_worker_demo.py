@@ -11,7 +11,7 @@ import pytest
 
 import tf_behavior
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(ROOT, 'examples', 'train_multitower.py')
 #: Why the demo's runs are the TF2-behaviour pass's only (time): in TF1 behaviour,
 #: test_multi_worker_training.py runs 2 workers x 2 towers against 1 x 4, and

@@ -14,7 +14,7 @@ from tf1_syncbn.launch import Launcher, launch, tf_config
 #: Processes without TensorFlow: the TF2-behaviour pass only.
 pytestmark = pytest.mark.once
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCH = os.path.join(ROOT, 'tf1_syncbn', 'launch.py')
 
 # Worker 1 fails at once; worker 0 starts a grandchild in its process group and

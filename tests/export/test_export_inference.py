@@ -28,7 +28,9 @@ import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+#: The helpers and the scripts the tests start.
+SUPPORT = os.path.join(ROOT, 'tests', 'support')
 TIMEOUT_S = 300
 FORBIDDEN = ('SyncBn', 'Collective', 'Nccl', 'Horovod', 'PyFunc', 'EagerPyFunc')
 
@@ -509,10 +511,10 @@ def test_layers_that_update_their_moving_averages_inside_export(graph, case):
                                        rtol=1e-5, atol=1e-5)
 
 if __name__ == '__main__':
-    sys.path.insert(0, HERE)
+    sys.path.insert(0, SUPPORT)
     sys.path.insert(1, ROOT)
     if sys.argv[1] == 'build':
         build(sys.argv[2])
     else:
-        sys.path[:] = [p for p in sys.path if p not in (HERE, ROOT)]
+        sys.path[:] = [p for p in sys.path if p not in (HERE, SUPPORT, ROOT)]
         print(json.dumps(load(sys.argv[2])))

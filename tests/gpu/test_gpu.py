@@ -3,8 +3,8 @@
 **Run this file in a process of its own** on a machine with GPUs, once per
 TF behaviour (``make gpu-check`` does both, and more)::
 
-    TF1_SYNCBN_TEST_BEHAVIOR=v2 python -m pytest -q tests/test_gpu.py
-    TF1_SYNCBN_TEST_BEHAVIOR=v1 python -m pytest -q tests/test_gpu.py
+    TF1_SYNCBN_TEST_BEHAVIOR=v2 python -m pytest -q tests/gpu/test_gpu.py
+    TF1_SYNCBN_TEST_BEHAVIOR=v1 python -m pytest -q tests/gpu/test_gpu.py
 
 The synchronized cases want 3 GPU devices (uneven towers, one empty). With
 fewer physical GPUs (one, as on many GPU machines), each is split into
@@ -33,7 +33,7 @@ Without GPUs every case skips with the reason, and the file costs one
 ``tf.config.list_physical_devices`` call. ``TF1_SYNCBN_GPU_TESTS_ON_CPU=1``
 dry-runs the same cases on virtual CPUs with TensorFlow's stock kernels (the
 CPU stand-in of the GPU kernel set; NCCL cases skip), which checks the test
-code itself on a machine without GPUs (``tests/test_gpu_check.py`` does).
+code itself on a machine without GPUs (``tests/gpu/test_gpu_check.py`` does).
 """
 
 import collections
@@ -48,8 +48,8 @@ from bn_reference import bn_backward, bn_forward, build_towers_on, split_batches
 from tf1_syncbn import CollectiveBackend, NcclBackend, kernels, sync_batch_norm
 from tower import virtual_cpu_config
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                'bench'))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), 'bench'))
 import _devices  # noqa: E402
 import _machine  # noqa: E402
 
@@ -90,7 +90,7 @@ def plan_layout(physical, other_files):
     if split > 1 and other_files:
         return 1, ('%d physical GPU(s), not split into logical GPUs: other test files run in '
                    'this process (%s), whose sessions initialize the GPUs first. Run '
-                   'tests/test_gpu.py in its own process (make gpu-check does)'
+                   'tests/gpu/test_gpu.py in its own process (make gpu-check does)'
                    % (physical, ', '.join(other_files[:3]) +
                       (', ...' if len(other_files) > 3 else '')))
     return split, ''

@@ -7,7 +7,7 @@ writes and its exit status), the report's parts, the diagnosis of a
 TensorFlow that cannot use the GPUs, the GPU split of ``bench/_devices.py``
 and the library's count of logical GPUs, ``--device gpu`` without a GPU in
 each benchmark script (a clear error, exit status 2), and
-``tests/test_gpu.py`` itself dry-run on virtual CPUs (its references and
+``tests/gpu/test_gpu.py`` itself dry-run on virtual CPUs (its references and
 tolerances, on TensorFlow's stock kernels).
 """
 
@@ -21,7 +21,7 @@ import textwrap
 import pytest
 import tensorflow as tf
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 for _folder in ('tools', 'bench'):
     if os.path.join(ROOT, _folder) not in sys.path:
         sys.path.insert(0, os.path.join(ROOT, _folder))
@@ -162,7 +162,7 @@ def _report(steps, problem=''):
 
 @pytest.mark.once
 def test_the_report_names_the_machine_and_every_figure(tmp_path):
-    steps = [gpu_report.Step('tests/test_gpu.py, TF1 behaviour', 'TF1_SYNCBN_TEST_BEHAVIOR=v1 '
+    steps = [gpu_report.Step('tests/gpu/test_gpu.py, TF1 behaviour', 'TF1_SYNCBN_TEST_BEHAVIOR=v1 '
                              'python -m pytest', 'FAIL', 61.0, '15 passed, 1 failed',
                              ['- `test_x`: failed: AssertionError'], 'E   AssertionError'),
              gpu_report.Step('bench/sync_step.py', 'python bench/sync_step.py --device gpu',
@@ -174,8 +174,8 @@ def test_the_report_names_the_machine_and_every_figure(tmp_path):
                      '| NVIDIA driver | 550.54.15 (supports CUDA 12.4) |',
                      '| CPU | AMD EPYC 9454, 16 cores |', '| TensorFlow | 2.21.0, CUDA 12.5.1',
                      '2026-01-02 03:04 UTC', 'revision `abc123`',
-                     '**FAIL: tests/test_gpu.py, TF1 behaviour**',
-                     '| tests/test_gpu.py, TF1 behaviour | FAIL | 61 s | 15 passed, 1 failed |',
+                     '**FAIL: tests/gpu/test_gpu.py, TF1 behaviour**',
+                     '| tests/gpu/test_gpu.py, TF1 behaviour | FAIL | 61 s | 15 passed, 1 failed |',
                      '- `test_x`: failed: AssertionError',
                      '````\n  ratio sync_batch_norm / fused: 1.07x ```\n````'):
         assert expected in text, (expected, text)
@@ -272,10 +272,10 @@ def test_the_whole_check_with_fake_commands(tmp_path, capsys):
         ['bench/sync_step.py', '--device', 'gpu'], ['bench/network_step.py', '--device', 'gpu'],
         ['bench/network_step.py', '--device', 'gpu', '--batch', '16', '--size', '128'],
         ['bench/inference.py', '--device', 'gpu']]
-    for expected in ('**FAIL: tests/test_gpu.py, TF1 behaviour**', '1 x %s (81559 MiB)' % H100,
+    for expected in ('**FAIL: tests/gpu/test_gpu.py, TF1 behaviour**', '1 x %s (81559 MiB)' % H100,
                      '550.54.15 (supports CUDA 12.4)', _machine.cpu_line(),
                      '| TensorFlow | 2.21.0, CUDA 12.5.1, cuDNN 9 |',
-                     '| tests/test_gpu.py, TF2-behaviour graph mode | PASS | 30 s | 1 passed, '
+                     '| tests/gpu/test_gpu.py, TF2-behaviour graph mode | PASS | 30 s | 1 passed, '
                      '1 skipped |', '- `test_renorm[NHWC]`: failed: bad',
                      '- `test_nccl`: skipped: NCCL needs 2 distinct physical GPUs',
                      'figures of network_step.py: 1.03x', 'revision `abc1234`'):
@@ -318,7 +318,7 @@ def test_a_crash_of_the_check_itself_still_writes_what_ran(tmp_path):
     status, _, text = _main(tmp_path, Crashing(), '--python', '/fake/python')
     assert status == 1
     assert 'gpu-check itself failed' in text and 'RuntimeError: a bug in gpu_check' in text
-    assert '| tests/test_gpu.py, TF1 behaviour | PASS |' in text
+    assert '| tests/gpu/test_gpu.py, TF1 behaviour | PASS |' in text
 
 
 @pytest.mark.once
@@ -509,7 +509,7 @@ V1_DRY_RUN = 'tensor_is_training or renorm or (collective and bfloat16 and NCHW)
 @pytest.mark.timeout(600)
 @pytest.mark.once(reason='make gpu-check runs test_gpu.py in both behaviours itself')
 def test_the_gpu_tests_dry_run_on_virtual_cpus(tmp_path):
-    """tests/test_gpu.py on 3 virtual CPUs, stock kernels, oneDNN off: its references hold.
+    """tests/gpu/test_gpu.py on 3 virtual CPUs, stock kernels, oneDNN off: its references hold.
 
     The child runs in this process's TF behaviour; the TF1-behaviour pass
     runs :data:`V1_DRY_RUN` only.
@@ -518,7 +518,7 @@ def test_the_gpu_tests_dry_run_on_virtual_cpus(tmp_path):
     env = dict(os.environ, TF1_SYNCBN_GPU_TESTS_ON_CPU='1', TF_ENABLE_ONEDNN_OPTS='0')
     select = ['-k', V1_DRY_RUN] if tf_behavior.is_v1() else []
     done = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
-                           os.path.join(ROOT, 'tests', 'test_gpu.py'), '--junitxml=' + junit]
+                           os.path.join(ROOT, 'tests', 'gpu', 'test_gpu.py'), '--junitxml=' + junit]
                           + select, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, universal_newlines=True, timeout=580,
                           check=False)

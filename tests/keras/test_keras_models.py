@@ -188,7 +188,8 @@ def tensorpack_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp('keras_tensorpack')
     config = {'towers': [len(SIZES)], 'steps': app.STEPS, 'global_batch': sum(SIZES),
               'shape': list(app.INPUT)}
-    with open(os.path.join(os.path.dirname(__file__), 'keras_tensorpack.py')) as f:
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'support',
+                           'keras_tensorpack.py')) as f:
         run_reference(f.read(), tmp, args=[str(tmp / 'out'), json.dumps(config)], timeout=600)
     arrays = np.load(tmp / 'out' / 'result.npz')
     info = json.loads((tmp / 'out' / 'result.json').read_text())

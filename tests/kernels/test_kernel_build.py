@@ -21,7 +21,7 @@ from tf1_syncbn import kernels
 #: kernels' numerics run in both passes: test_kernels.py): the TF2-behaviour pass only.
 pytestmark = pytest.mark.once
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GXX = shutil.which('g++')
 #: Every cpuinfo flag x86-64-v3 needs (v2's included), written out here rather
 #: than taken from the library, so that dropping one there fails a test.
@@ -180,6 +180,7 @@ def test_the_cache_key_holds_the_flags_used_and_a_cached_build_needs_no_compiler
 
 def _env(**extra):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3', PYTHONPATH=ROOT + os.pathsep +
+               os.path.join(ROOT, 'tests', 'support') + os.pathsep +
                os.path.join(ROOT, 'tests'))
     env.update(extra)
     return env

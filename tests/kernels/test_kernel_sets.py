@@ -3,7 +3,7 @@
 The portable set is what GPU towers run (and CPU towers without the compiled
 library). Its numbers are checked everywhere the exactness and parity tests
 run with ``kernel_impl='stock'`` and, with oneDNN off, in
-``tests/without_onednn.py``; here: its size and shape (at most 25 ops per
+``tests/support/without_onednn.py``; here: its size and shape (at most 25 ops per
 layer and tower, no ``tf.cond`` on a device value), that XLA and plain ops
 give the same numbers, and the registry.
 """

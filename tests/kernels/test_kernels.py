@@ -16,10 +16,10 @@ from tf1_syncbn import CollectiveBackend, kernels, sync_batch_norm
 
 tf1 = tf.compat.v1
 CUSTOM_OPS = {'SyncBnMoments', 'SyncBnNormalize', 'SyncBnGradSums', 'SyncBnGradInput'}
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: Non-constant ops of one synchronized layer in one tower, forward and backward
 #: (the compiled kernels need 13, the portable set 20 (NHWC) and 24 (NCHW),
-#: unsynchronized fused batch norm 7; see tests/test_kernel_sets.py).
+#: unsynchronized fused batch norm 7; see tests/kernels/test_kernel_sets.py).
 OP_BUDGET = 25
 
 
@@ -29,6 +29,7 @@ def _op_types(graph):
 
 def _subprocess_env(**extra):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3', PYTHONPATH=ROOT + os.pathsep +
+               os.path.join(ROOT, 'tests', 'support') + os.pathsep +
                os.path.join(ROOT, 'tests'))
     env.update(extra)
     return env

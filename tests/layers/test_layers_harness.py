@@ -44,7 +44,9 @@ from tf1_syncbn import layers  # noqa: F401 - the strategy layers' code names it
 from tf_layers_script import STYLES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+#: The helpers and the scripts the tests start.
+SUPPORT = os.path.join(ROOT, 'tests', 'support')
 KERAS_3_ERROR = 'AttributeError: `%s` is not available with Keras 3.'
 
 
@@ -66,9 +68,9 @@ def _run_patched_script(tmp_path, legacy):
     env = {k: v for k, v in os.environ.items() if k != 'TF_USE_LEGACY_KERAS'}
     if legacy:
         env['TF_USE_LEGACY_KERAS'] = '1'
-    env.update(TF_CPP_MIN_LOG_LEVEL='3', PYTHONPATH=os.pathsep.join([HERE, ROOT]))
+    env.update(TF_CPP_MIN_LOG_LEVEL='3', PYTHONPATH=os.pathsep.join([SUPPORT, ROOT]))
     out = str(tmp_path / 'ours.npz')
-    proc = subprocess.run([sys.executable, os.path.join(HERE, 'run_patched_script.py'), '4',
+    proc = subprocess.run([sys.executable, os.path.join(SUPPORT, 'run_patched_script.py'), '4',
                            out], env=env, cwd=str(tmp_path), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -147,7 +149,7 @@ def test_the_script_comparison_can_fail(reference, style):
 def tensorpack_runs(tmp_path_factory):
     """``(arrays, info)`` of ``tensorpack_tf_layers.py``, run once in a legacy-Keras subprocess."""
     out = tmp_path_factory.mktemp('tensorpack_tf_layers')
-    with open(os.path.join(HERE, 'tensorpack_tf_layers.py')) as f:
+    with open(os.path.join(SUPPORT, 'tensorpack_tf_layers.py')) as f:
         code = f.read()
     config = {'towers': [2], 'steps': 3, 'global_batch': 8, 'hang_seconds': 240}
     # A collective that waits for a member fails after 60 s instead of 600 s.

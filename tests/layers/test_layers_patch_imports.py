@@ -25,7 +25,7 @@ import tf_behavior
 pytestmark = pytest.mark.versions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 
 SCRIPT = tf_behavior.SOURCE + r'''
 import json

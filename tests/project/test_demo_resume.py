@@ -23,7 +23,7 @@ import pytest
 
 import tf_behavior
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(ROOT, 'examples', 'train_multitower.py')
 COMMON = ['--eval-every', '2', '--save-every', '2', '--min-accuracy', '0']
 TIMEOUT_S = 300

@@ -21,7 +21,7 @@ import pytest
 
 import tf_behavior
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _BLOCK = re.compile(r'^```python\n(.*?)^```', re.S | re.M)
 PAGES = ['README.md'] + sorted(
     os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, 'docs', '*.md')))

@@ -10,7 +10,7 @@ import tensorflow as tf
 import tf_behavior
 from tf1_syncbn import selftest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize('towers', [2, 3, 4])

@@ -18,7 +18,7 @@ from packaging.version import Version
 
 pytestmark = [pytest.mark.versions, pytest.mark.once]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _declared():

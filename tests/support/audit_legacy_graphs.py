@@ -1,6 +1,6 @@
 """Training graphs with tf-slim's, tf.layers', Keras' and tensorpack's own batch norm, exported.
 
-Run by ``tests/test_audit.py`` through ``legacy_reference.run_reference`` (a
+Run by ``tests/audit/test_audit.py`` through ``legacy_reference.run_reference`` (a
 fresh interpreter with legacy Keras, which these layers need on TF 2.21)::
 
     python audit_legacy_graphs.py OUT_DIR

@@ -1,6 +1,6 @@
 """One worker of ``MultiWorkerMirroredStrategy`` (v1) in a TF1 graph, for tests.
 
-Started by ``tests/test_distribute_multi_worker.py`` as 2 local processes,
+Started by ``tests/tower/test_tower_distribute_multi_worker.py`` as 2 local processes,
 each with its own ``TF_CONFIG`` (:class:`tf1_syncbn.launch.Launcher`). Each
 worker runs one replica on its CPU and trains the model of
 ``strategy_case.py`` for ``strategy_case.STEPS`` SGD steps, its batch norm
@@ -32,7 +32,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
 import numpy as np  # noqa: E402

@@ -1,6 +1,6 @@
 """tensorpack 0.11's own trainers on a ``tf_keras.applications`` model (Keras 2 in a ModelDesc).
 
-Run by ``tests/test_keras_models.py`` through ``legacy_reference.run_reference``
+Run by ``tests/keras/test_keras_models.py`` through ``legacy_reference.run_reference``
 (a fresh interpreter with legacy Keras, which tensorpack 0.11 needs on TF 2.21),
 in the TF behaviour of the test run:
 

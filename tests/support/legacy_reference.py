@@ -46,7 +46,8 @@ def run_reference(code, tmp_path, args=(), timeout=300, env=None):
     script = tmp_path / 'reference_script.py'
     script.write_text(SHIM + code)
     env = dict(os.environ, TF_USE_LEGACY_KERAS='1', TF_CPP_MIN_LOG_LEVEL='3',
-               PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE)]), **(env or {}))
+               PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(os.path.dirname(HERE))]),
+               **(env or {}))
     proc = subprocess.run([sys.executable, str(script)] + list(args), env=env, capture_output=True,
                           text=True, timeout=timeout, cwd=str(tmp_path))
     if proc.returncode != 0:

@@ -1,4 +1,4 @@
-"""A tiny multi-worker training job for tests/test_multi_worker_training.py.
+"""A tiny multi-worker training job for tests/distributed/test_multi_worker_training.py.
 
 Run as a worker (``TF_CONFIG`` set, usually by :mod:`tf1_syncbn.launch`), or
 in-process with one worker (:func:`train` with a local cluster) as the
@@ -36,7 +36,7 @@ import sys
 import time
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402

@@ -1,6 +1,6 @@
 """tensorpack 0.11's own trainers and predictor, with tf1_syncbn's layers plugged in.
 
-Run by ``tests/test_harness_tensorpack.py`` through ``legacy_reference.run_reference``
+Run by ``tests/tensorpack/test_tensorpack_trainers.py`` through ``legacy_reference.run_reference``
 (a fresh interpreter with legacy Keras, which tensorpack 0.11 needs on TF 2.21):
 
     python tensorpack_harness.py OUT_DIR '{"towers": [2, 4], ...}'

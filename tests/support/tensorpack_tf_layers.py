@@ -1,6 +1,6 @@
 """tensorpack 0.11's own trainers on a model written with tf.layers' batch normalization.
 
-Run by ``tests/test_layers_harness.py`` through ``legacy_reference.run_reference``
+Run by ``tests/layers/test_layers_harness.py`` through ``legacy_reference.run_reference``
 (a fresh interpreter with legacy Keras, which tensorpack 0.11 needs on TF 2.21,
 and where ``tf.compat.v1.layers`` is tf-keras' legacy layer):
 

@@ -43,13 +43,13 @@ made once; ``var.dtype._is_ref_dtype`` is checked as ``dtype !=
 dtype.base_dtype``; checkpoints go to pytest's ``tmp_path``; failed
 comparisons name what they compare.
 
-``tests/test_tf_keras_own_tests.py`` runs the port with :func:`run`, once per
+``tests/layers/test_layers_tf_keras_own_tests.py`` runs the port with :func:`run`, once per
 module, each in a legacy-Keras subprocess in the TF behaviour of the test run.
 By hand (``tests/conftest.py`` applies ``$TF1_SYNCBN_TEST_BEHAVIOR``)::
 
     TF_USE_LEGACY_KERAS=1 TF1_SYNCBN_PORT_LAYERS=keras PYTHONPATH=tests \\
         .venv/bin/python -m pytest -p tf_keras_normalization_port \\
-        tests/tf_keras_normalization_port_*.py
+        tests/support/tf_keras_normalization_port_*.py
 """
 
 import contextlib

@@ -28,7 +28,7 @@ import xml.etree.ElementTree as ElementTree
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: Set in the child: conftest.py then checks oneDNN and the kernel set.
 CHILD_MARKER = 'TF1_SYNCBN_TEST_STOCK_CHILD'

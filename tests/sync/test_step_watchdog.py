@@ -22,7 +22,7 @@ from tf1_syncbn import CollectiveBackend, kernels, sync_batch_norm
 from tower import call_for_each_tower
 
 tf1 = tf.compat.v1
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAYERS = 20
 #: Why the process-level cases run in the TF2-behaviour pass only: they test TensorFlow's
 #: runtime (per-op timeouts without the library, closing sessions under the watchdog).
@@ -151,7 +151,7 @@ for _ in range(8):
 print('survived')
 '''
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3',
-               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, 'tests')]))
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, 'tests', 'support')]))
     out = subprocess.run([sys.executable, '-c', code], env=env, cwd=ROOT, capture_output=True,
                          text=True, timeout=240)
     assert out.returncode == 0 and out.stdout.strip() == 'survived', \

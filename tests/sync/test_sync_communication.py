@@ -311,6 +311,6 @@ def test_nccl_gets_the_run_time_check_but_no_deadline_as_documented(graph, fake_
     check = graph.get_operation_by_name('tf1_syncbn_check_towers')
     assert all(check in op.control_inputs for op in nccl)
     import os  # noqa: PLC0415
-    page = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                             'docs', 'timeouts.md')).read()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    page = open(os.path.join(root, 'docs', 'timeouts.md')).read()
     assert '## NCCL has no timeout' in page

@@ -1,6 +1,6 @@
 """tensorpack 0.11's own trainers and predictor with tf1_syncbn's layers plugged in.
 
-``tests/tensorpack_harness.py`` runs, in one subprocess with legacy Keras:
+``tests/support/tensorpack_harness.py`` runs, in one subprocess with legacy Keras:
 tensorpack's ``SimpleTrainer`` with tensorpack's own ``BatchNorm`` on the
 whole batch (the reference), and tensorpack's ``SyncMultiGPUTrainerParameterServer``
 and ``SyncMultiGPUTrainerReplicated`` on 2 and 4 virtual-CPU towers with
@@ -29,7 +29,7 @@ import pytest
 import tf_behavior
 from legacy_reference import run_reference
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+SUPPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'support')
 # The TF1-behaviour pass (tf_behavior.pick): 2 towers, the stock kernels with oneDNN off.
 TOWERS = tf_behavior.pick([2, 4], [2])
 CONFIG = {'towers': TOWERS, 'steps': 4, 'global_batch': 8,
@@ -58,7 +58,7 @@ def harness_process(tmp_path_factory):
         if process not in done:
             env, kernel_sets = PROCESSES[process]
             out = tmp_path_factory.mktemp('tensorpack_harness_' + process)
-            with open(os.path.join(HERE, 'tensorpack_harness.py')) as f:
+            with open(os.path.join(SUPPORT, 'tensorpack_harness.py')) as f:
                 code = f.read()
             # A collective that waits for a member fails after 60 s instead of 600 s.
             config = dict(CONFIG, kernel_sets=kernel_sets)

@@ -1,6 +1,6 @@
 """MultiWorkerMirroredStrategy (v1) across 2 worker processes equals tf-slim on one device.
 
-Two local worker processes (``tests/distribute_worker.py``, each with its own
+Two local worker processes (``tests/support/distribute_worker.py``, each with its own
 ``TF_CONFIG``, started by :class:`tf1_syncbn.launch.Launcher`) each run one
 replica of ``tf.compat.v1.distribute.experimental.MultiWorkerMirroredStrategy``
 in a TF1 graph, with a ``tf.distribute.Server`` and a session on its target,
@@ -31,8 +31,8 @@ from legacy_reference import run_reference
 from strategy_case import STEPS
 from tf1_syncbn.launch import Launcher, free_ports
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, 'tests', 'distribute_worker.py')
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(ROOT, 'tests', 'support', 'distribute_worker.py')
 TOTAL = 8
 #: name: (rows per worker, --sync)
 RUNS = {'uneven': ('3,5', 'auto'), 'chief-empty': ('0,8', 'auto'),
