@@ -31,6 +31,8 @@
   ``python -m tf1_syncbn.launch`` (:mod:`tf1_syncbn.launch`).
 """
 
+import sys as _sys
+
 from tf1_syncbn.backends import CollectiveBackend, HorovodBackend, NcclBackend, SyncBackend, SyncKey
 from tf1_syncbn.errors import PatchError, SyncBNWarning
 from tf1_syncbn.slim import convert_arg_scope, sync_arg_scope, sync_batch_norm
@@ -43,6 +45,8 @@ from tf1_syncbn.distributed import (Cluster, ClusterError, DistributedOptimizer,
 from tf1_syncbn.audit import audit_graph
 from tf1_syncbn import export
 from tf1_syncbn import kernels as _kernels
+from tf1_syncbn.audit import report as _audit_report
+from tf1_syncbn.distributed import restarts as _restarts
 
 __all__ = ['sync_batch_norm', 'BatchNorm', 'BatchRenorm', 'start_finetuning', 'SyncBackend',
            'SyncKey', 'CollectiveBackend', 'NcclBackend', 'HorovodBackend']
@@ -59,6 +63,14 @@ __all__ += ['audit_graph', 'export']
 _kernels.register_cached()
 
 __version__ = '0.1.0'
+
+# Module paths the docs named before the package layout (issue 34): the same
+# module objects, so `from tf1_syncbn.restarts import restart_count` and
+# `tf1_syncbn.audit_report.AuditReport` keep working.
+for _old, _module in (('restarts', _restarts), ('audit_report', _audit_report)):
+    _sys.modules.setdefault(__name__ + '.' + _old, _module)
+    globals()[_old] = _module
+del _old, _module
 
 
 def __getattr__(name):

@@ -49,6 +49,11 @@ PUBLIC = {
         'RestartLoop', 'Restart', 'restart_env', 'restart_count', 'start_line',
         'parse_start_line', 'exit_status', 'describe_exit', 'RESTART_COUNT_ENV',
         'MAX_RESTARTS_ENV'],
+    # The paths the docs named before the layout (docs/api/cli.md, docs/restarts.md,
+    # docs/api/tf1_syncbn.md, examples/train_multitower.py): aliases of the moved modules.
+    'tf1_syncbn.restarts': ['RestartLoop', 'Restart', 'restart_env', 'restart_count',
+                            'RESTART_COUNT_ENV', 'MAX_RESTARTS_ENV'],
+    'tf1_syncbn.audit_report': ['AuditReport', 'LayerAudit'],
     'tf1_syncbn.backends': ['SyncBackend', 'SyncKey', 'CollectiveBackend', 'NcclBackend',
                             'HorovodBackend', 'stable_hash', 'DEFAULT_TIMEOUT', 'op_timeout',
                             'resolve', 'local_gpu_count', 'check_local_gpu',
@@ -82,6 +87,15 @@ def test_every_public_name_resolves(module):
     assert missing == [], '%s lost %s' % (module, missing)
     for name in getattr(imported, '__all__', ()):
         assert hasattr(imported, name), '%s.__all__ names %r, which it lacks' % (module, name)
+
+
+def test_the_old_paths_are_the_moved_modules():
+    import tf1_syncbn.audit.report
+    import tf1_syncbn.audit_report
+    import tf1_syncbn.distributed.restarts
+    import tf1_syncbn.restarts
+    assert tf1_syncbn.restarts is tf1_syncbn.distributed.restarts
+    assert tf1_syncbn.audit_report is tf1_syncbn.audit.report
 
 
 def test_the_lazy_keras_names_are_the_keras_package():
