@@ -32,10 +32,16 @@ $(VENV)/bin/python:
 $(VENV)/.installed: $(VENV)/bin/python pyproject.toml Makefile
 	@if $(PY) -c "import tensorflow" >/dev/null 2>&1; then \
 	    echo "TensorFlow already present: $$($(PY) -c 'import tensorflow as tf; print(tf.__version__)')"; \
-	    $(PIP) install -q -e '.[demo]'; \
+	    $(PIP) install -q -e .; \
 	else \
-	    $(PIP) install -q -e '.[cpu,demo]'; \
+	    $(PIP) install -q -e '.[cpu]'; \
 	fi
+	touch $@
+
+# The demo's plot and progress bar (matplotlib, tqdm); not in the test
+# environment, where matplotlib would slow every `import tensorflow`.
+$(VENV)/.installed-demo: $(VENV)/.installed-demo
+	$(PIP) install -q -e '.[demo]'
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
@@ -59,7 +65,7 @@ install: $(VENV)/.installed
 kernels: $(VENV)/.installed
 	$(PY) -m tf1_syncbn.kernels
 
-demo: $(VENV)/.installed
+demo: $(VENV)/.installed-demo
 	-$(PY) -m tf1_syncbn.kernels
 	$(PY) examples/train_multitower.py --overwrite $(DEMO_ARGS)
 
