@@ -114,7 +114,8 @@ TF_VERSIONS   := 2.15 2.16 2.17 2.18 2.19 2.20 2.21
 # What `make test-versions` (and CI) runs besides the full suite on .venv.
 TEST_VERSIONS ?= 2.15 2.20
 # The other packages the subset needs (no linters, docs or demo tools).
-VERSION_TEST_PINS := tf-slim==1.1.0 tensorpack==0.11 pytest "pytest-timeout>=2.1"
+VERSION_TEST_PINS := tf-slim==1.1.0 tensorpack==0.11 tqdm pytest "pytest-timeout>=2.1" \
+                     "pytest-xdist>=3.3"
 
 .PHONY: $(TF_VERSIONS:%=venv-tf%) $(TF_VERSIONS:%=test-tf%) test-versions
 $(TF_VERSIONS:%=venv-tf%): venv-tf%: .venv-tf%/.installed
@@ -136,8 +137,8 @@ $(TF_VERSIONS:%=venv-tf%): venv-tf%: .venv-tf%/.installed
 VERSION_TESTS = $(shell grep -l 'pytest.mark.versions' tests/test_*.py)
 $(TF_VERSIONS:%=test-tf%): test-tf%: .venv-tf%/.installed
 	.venv-tf$*/bin/python -m tf1_syncbn.kernels
-	TF1_SYNCBN_TEST_BEHAVIOR=v2 .venv-tf$*/bin/python -m pytest -q -m versions $(VERSION_TESTS) $(PYTEST_ARGS)
-	TF1_SYNCBN_TEST_BEHAVIOR=v1 .venv-tf$*/bin/python -m pytest -q -m versions $(VERSION_TESTS) $(PYTEST_ARGS)
+	TF1_SYNCBN_TEST_BEHAVIOR=v2 .venv-tf$*/bin/python -m pytest -q $(XDIST) -m versions $(VERSION_TESTS) $(PYTEST_ARGS)
+	TF1_SYNCBN_TEST_BEHAVIOR=v1 .venv-tf$*/bin/python -m pytest -q $(XDIST) -m versions $(VERSION_TESTS) $(PYTEST_ARGS)
 	.venv-tf$*/bin/python -m tf1_syncbn.selftest --towers 2 --steps 2
 
 test-versions: $(TEST_VERSIONS:%=test-tf%)
