@@ -27,6 +27,7 @@ from tf1_syncbn._engine import all_reduce_with_gradient
 from tf1_syncbn._group import find_group
 from tf1_syncbn._options import check_graph_mode, check_options
 from tf1_syncbn._plan import plan_sync
+from tf1_syncbn._xla import outside_xla_clusters
 from tower._state import full_name_scope, get_graph_state
 
 tf1 = tf.compat.v1
@@ -145,7 +146,8 @@ def _check_axes(label, axes, rank):
 
 def _sync_moments(kind, x, axes, weights, keepdims, name, sync_statistics, num_dev):
     check_graph_mode('tf1_syncbn.%s' % kind)
-    with tf1.name_scope(name, kind, [x] + ([weights] if weights is not None else [])):
+    with tf1.name_scope(name, kind, [x] + ([weights] if weights is not None else [])), \
+            outside_xla_clusters():
         label = 'tf1_syncbn.%s(%s)' % (kind, full_name_scope() or kind)
         x = tf.convert_to_tensor(x)
         if x.dtype.base_dtype not in _DTYPES:
