@@ -32,6 +32,12 @@
   ``python -m tf1_syncbn.launch`` (:mod:`tf1_syncbn.launch`).
 """
 
+# `python -m tf1_syncbn.<command> --help` answers here, before TensorFlow loads
+# (the imports below come after it on purpose).
+# ruff: noqa: E402
+from tf1_syncbn._cli import answer_help_early as _answer_help_early
+_answer_help_early()
+
 from tf1_syncbn.backends import (CollectiveBackend, HorovodBackend, NcclBackend, SyncBackend,
                                  SyncKey)
 from tf1_syncbn.slim_layer import sync_batch_norm
