@@ -268,3 +268,38 @@ def test_a_tower_that_never_built_it_fails_the_first_step_at_once(graph):
     with make_session(graph, 3) as sess, \
             pytest.raises(tf.errors.InvalidArgumentError, match='never by tower 2'):
         sess.run(outs, {x: np.ones((2, 3), np.float32) for x in xs})
+
+
+@pytest.mark.once
+def test_moments_under_a_mirrored_strategy(graph):
+    """A tf.distribute replica is a tower: every replica gets the global statistics."""
+    from strategy_case import make_strategy  # noqa: PLC0415
+    strategy = make_strategy('mirrored', 2)
+    xs = [tf1.placeholder(tf.float32, [None, 3]) for _ in range(2)]
+
+    def replica_fn():
+        i = int(tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group))
+        return tf1_syncbn.moments(xs[i], [0])
+
+    with strategy.scope():
+        means, variances = strategy.run(replica_fn)
+    outs = [strategy.experimental_local_results(t) for t in (means, variances)]
+    data = np.random.RandomState(4).randn(5, 3).astype(np.float32)
+    with make_session(graph, 2) as sess:
+        got = sess.run(outs, {xs[0]: data[:1], xs[1]: data[1:]})
+    for replica in range(2):
+        np.testing.assert_allclose(got[0][replica], data.mean(0), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got[1][replica], data.var(0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.once
+def test_the_audit_names_the_fix_for_an_unchanged_hand_written_layer(graph):
+    is_training = tf1.placeholder_with_default(True, [])
+    ys = []
+    for i in range(2):
+        with tf.device('/cpu:%d' % i), tf.name_scope('tower_%d' % i):
+            ys.append(hand_written_bn(tf1.placeholder(tf.float32, [None] + SHAPE), is_training))
+    report = tf1_syncbn.audit_graph(graph)
+    layer, = report.layers
+    assert layer.name == 'bn' and layer.synchronized is False
+    assert any('tf1_syncbn.moments' in p for p in layer.problems), layer.problems
