@@ -109,28 +109,6 @@ import warnings
 # instead; run with TF_CPP_MIN_LOG_LEVEL=0 to see TensorFlow's own messages.
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-import tf_slim as slim  # noqa: E402
-
-from tf1_syncbn import DistributedOptimizer, audit_graph, sync_batch_norm  # noqa: E402
-from tf1_syncbn.distributed import (ClusterError, WorkerSession,  # noqa: E402
-                                    average_across_workers, hard_exit, setup_cluster)
-from tf1_syncbn.restarts import restart_count  # noqa: E402
-from tower import call_for_each_tower, get_current_tower_context  # noqa: E402
-
-tf1 = tf.compat.v1
-
-# tf-slim's pooling and flatten layers wrap deprecated tf.layers classes.
-warnings.filterwarnings('ignore', message=r'`(layer\.apply|tf\.layers\.flatten)` is deprecated',
-                        category=UserWarning)
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS_PLOT = os.path.join(REPO, 'docs', 'demo.png')
-NUM_CLASSES = 10
-RUNS = ('sync', 'per_tower')
-LABELS = {'sync': 'SyncBN', 'per_tower': 'per-tower BN'}
-
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
@@ -207,6 +185,32 @@ def parse_args(argv=None):
     if args.towers * args.batch_per_tower * args.workers < 2:
         parser.error('the global batch needs at least 2 examples')
     return args
+
+
+if __name__ == '__main__' and any(a in ('-h', '--help') for a in sys.argv[1:]):
+    parse_args()        # prints the help and exits, before TensorFlow loads
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import tf_slim as slim  # noqa: E402
+
+from tf1_syncbn import DistributedOptimizer, audit_graph, sync_batch_norm  # noqa: E402
+from tf1_syncbn.distributed import (ClusterError, WorkerSession,  # noqa: E402
+                                    average_across_workers, hard_exit, setup_cluster)
+from tf1_syncbn.restarts import restart_count  # noqa: E402
+from tower import call_for_each_tower, get_current_tower_context  # noqa: E402
+
+tf1 = tf.compat.v1
+
+# tf-slim's pooling and flatten layers wrap deprecated tf.layers classes.
+warnings.filterwarnings('ignore', message=r'`(layer\.apply|tf\.layers\.flatten)` is deprecated',
+                        category=UserWarning)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS_PLOT = os.path.join(REPO, 'docs', 'demo.png')
+NUM_CLASSES = 10
+RUNS = ('sync', 'per_tower')
+LABELS = {'sync': 'SyncBN', 'per_tower': 'per-tower BN'}
 
 
 #: The UCI handwritten digits (1797 8x8 images, 10 classes), as scikit-learn ships

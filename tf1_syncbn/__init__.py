@@ -11,6 +11,9 @@
 * :mod:`tf1_syncbn.keras`: tf-keras' (Keras 2) ``BatchNormalization`` for Keras
   models in TF1 graphs, and :func:`patch_keras` (both need tf-keras; loaded on
   first use, so ``import tf1_syncbn`` never imports tf-keras).
+* :func:`moments`, :func:`weighted_moments`: ``tf.nn.moments`` and
+  ``tf.nn.weighted_moments`` over the global batch of the towers, for
+  hand-written batch norm.
 * :func:`audit_graph`: whether every batch norm of a graph is synchronized and
   its moving averages update (also ``python -m tf1_syncbn.audit``).
 * :mod:`tf1_syncbn.export`: an inference graph (frozen ``GraphDef`` or
@@ -31,6 +34,12 @@
   ``python -m tf1_syncbn.launch`` (:mod:`tf1_syncbn.launch`).
 """
 
+# `python -m tf1_syncbn.<command> --help` answers here, before TensorFlow loads
+# (the imports below come after it on purpose).
+# ruff: noqa: E402
+from tf1_syncbn._cli import answer_help_early as _answer_help_early
+_answer_help_early()
+
 from tf1_syncbn.backends import (CollectiveBackend, HorovodBackend, NcclBackend, SyncBackend,
                                  SyncKey)
 from tf1_syncbn.slim_layer import sync_batch_norm
@@ -45,6 +54,7 @@ from tf1_syncbn.distributed import (Cluster, ClusterError, DistributedOptimizer,
                                     WorkerLostError, WorkerSession, all_reduce_gradients,
                                     average_across_workers, broadcast_variables, setup_cluster)
 from tf1_syncbn._audit_rules import audit_graph
+from tf1_syncbn._moments import moments, weighted_moments
 from tf1_syncbn import export
 from tf1_syncbn import kernels as _kernels
 
@@ -56,7 +66,7 @@ __all__ += ['layers', 'patch_tf_layers']
 __all__ += ['setup_cluster', 'Cluster', 'DistributedOptimizer', 'all_reduce_gradients',
             'average_across_workers', 'broadcast_variables', 'WorkerSession', 'ClusterError',
             'PeerMissingError', 'WorkerLostError']
-__all__ += ['audit_graph', 'export']
+__all__ += ['audit_graph', 'export', 'moments', 'weighted_moments']
 
 # A graph saved with the compiled ops (a meta graph, a GraphDef) loads in a new
 # process once the package is imported: a cached build registers them (no compiler runs).

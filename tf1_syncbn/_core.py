@@ -29,6 +29,7 @@ from tf1_syncbn._group import check_untowered_copies, find_group
 from tf1_syncbn._options import check_batch_weights
 from tf1_syncbn._plan import plan_sync
 from tf1_syncbn._variables import read
+from tf1_syncbn._xla import outside_xla_clusters
 
 tf1 = tf.compat.v1
 
@@ -67,8 +68,16 @@ def batch_norm(x, layout, options, params, batch_weights=None,
 
     Hangs: a synchronized training call waits in its all-reduces for every
     member of its group; see :mod:`tf1_syncbn._guards` for what turns that
-    into an error.
+    into an error. Its ops stay out of XLA's auto-clustering
+    (:mod:`tf1_syncbn._xla`).
     """
+    with outside_xla_clusters():
+        return _batch_norm(x, layout, options, params, batch_weights, updates_collections,
+                           update_moving, finetune, prediction_towers_update)
+
+
+def _batch_norm(x, layout, options, params, batch_weights, updates_collections, update_moving,
+                finetune, prediction_towers_update):
     weights = check_batch_weights(options, batch_weights, x)
     group = find_group(options, prediction_towers_update)
     training = options.is_training

@@ -24,7 +24,7 @@ import collections
 
 import tensorflow as tf
 
-from tf1_syncbn import _engine, _math, kernel_sets
+from tf1_syncbn import _engine, _ghost_batches, _math, kernel_sets
 from tf1_syncbn._variables import read
 
 tf1 = tf.compat.v1
@@ -223,6 +223,8 @@ def _ghost(x, x4, fmt, layout, options, gamma, beta, plan):
                             'every virtual batch, so its batch must be a multiple of %d.'
                             % (name, vbs, static_batch, members, name, members, per_member,
                                per_member))
+    if plan is not None:
+        x4 = _ghost_batches.checked_batch(options, plan, x4)
     batch = tf.shape(x4)[0]
     check = tf.debugging.assert_equal(
         tf.math.floormod(batch, per_member), 0,

@@ -27,13 +27,13 @@ which prints the report and exits with status 1 when there are problems
 (2 on a usage error), for CI.
 """
 
-import argparse
 import sys
 
 from google.protobuf import message, text_format
 from tensorflow.core.protobuf import meta_graph_pb2
 
 from tf1_syncbn._audit_rules import audit_graph
+from tf1_syncbn._cli import audit_parser
 
 __all__ = ['audit_graph', 'read_meta_graph', 'main']
 
@@ -81,16 +81,7 @@ def main(argv=None):
       The exit status: 0 when the graph has no problem, 1 when it has, 2 when
       the file or the arguments are wrong.
     """
-    parser = argparse.ArgumentParser(
-        prog='python -m tf1_syncbn.audit',
-        description='Audits the batch-norm layers of an exported training graph (MetaGraphDef): '
-                    'towers, synchronization, moving-average updates. Exits 1 on problems.')
-    parser.add_argument('meta_graph', help='a .meta file (tf.compat.v1.train.export_meta_graph)')
-    parser.add_argument('--train-op', action='append', metavar='NAME',
-                        help='the op one training step runs (repeat for several fetched ops, '
-                             'e.g. the update ops); default: the graph\'s train_op collection')
-    parser.add_argument('--tower-pattern', action='append', metavar='REGEX',
-                        help='another tower name-scope convention, e.g. "gpu([0-9]+)"')
+    parser = audit_parser()
     args = parser.parse_args(argv)
     try:
         report = audit_graph(read_meta_graph(args.meta_graph), args.train_op,

@@ -376,7 +376,8 @@ def launch(argv, num_workers, timeout=None, max_restarts=0, restarts=None, **kwa
             signal.signal(sig, handler)
 
 
-def main(argv=None):
+def build_parser():
+    """The command line's parser (also for its ``--help`` before the package loads)."""
     parser = argparse.ArgumentParser(
         prog='python -m tf1_syncbn.launch',
         description='Run a command as N local workers, each with its own TF_CONFIG; stop all '
@@ -397,6 +398,11 @@ def main(argv=None):
                              'slice of the launcher\'s own CUDA_VISIBLE_DEVICES when set)')
     parser.add_argument('command', nargs=argparse.REMAINDER,
                         help='the worker command (after --)')
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ['--'] else args.command
     if not command:
