@@ -73,11 +73,12 @@ def batch_norm(x, layout, options, params, batch_weights=None,
     """
     with outside_xla_clusters():
         return _batch_norm(x, layout, options, params, batch_weights, updates_collections,
-                           update_moving, finetune, prediction_towers_update)
+                           update_moving, finetune, prediction_towers_update,
+                           trigger_after_output)
 
 
 def _batch_norm(x, layout, options, params, batch_weights, updates_collections, update_moving,
-                finetune, prediction_towers_update):
+                finetune, prediction_towers_update, trigger_after_output):
     weights = check_batch_weights(options, batch_weights, x)
     group = find_group(options, prediction_towers_update)
     training = options.is_training
