@@ -29,20 +29,29 @@ $(VENV)/bin/python:
 
 # Install TensorFlow only when no build is importable yet, so an existing
 # tensorflow-cpu / tensorflow / vendor build is never shadowed by a second one.
+# --no-compile: pip would byte-compile all of TensorFlow and Keras (half of the
+# install's CPU time, most of it modules never imported); Python compiles, and
+# caches, what is imported on first import instead.
 $(VENV)/.installed: $(VENV)/bin/python pyproject.toml Makefile
 	@if $(PY) -c "import tensorflow" >/dev/null 2>&1; then \
 	    echo "TensorFlow already present: $$($(PY) -c 'import tensorflow as tf; print(tf.__version__)')"; \
-	    $(PIP) install -q -e '.[demo]'; \
+	    $(PIP) install -q -e .; \
 	else \
-	    $(PIP) install -q -e '.[cpu,demo]'; \
+	    $(PIP) install -q --no-compile -e '.[cpu]'; \
 	fi
 	touch $@
 
+# The demo's plot and progress bar (matplotlib, tqdm); not in the test
+# environment, where matplotlib would slow every `import tensorflow`.
+$(VENV)/.installed-demo: $(VENV)/.installed
+	$(PIP) install -q -e '.[demo]'
+	touch $@
+
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-compile -e '.[test]'
 	@# tf-keras is pinned to the installed TF minor version and installed
 	@# without dependencies: its metadata asks for the full `tensorflow` build.
-	$(PIP) install -q --no-deps "tf-keras~=$$($(PY) -c 'import tensorflow as tf; print(".".join(tf.__version__.split(".")[:2]))').0"
+	$(PIP) install -q --no-compile --no-deps "tf-keras~=$$($(PY) -c 'import tensorflow as tf; print(".".join(tf.__version__.split(".")[:2]))').0"
 	touch $@
 
 # The documentation tools (pyproject.toml's docs extra: Sphinx, MyST, furo). After
@@ -59,7 +68,7 @@ install: $(VENV)/.installed
 kernels: $(VENV)/.installed
 	$(PY) -m tf1_syncbn.kernels
 
-demo: $(VENV)/.installed
+demo: $(VENV)/.installed-demo
 	-$(PY) -m tf1_syncbn.kernels
 	$(PY) examples/train_multitower.py --overwrite $(DEMO_ARGS)
 
@@ -76,9 +85,20 @@ test: $(VENV)/.installed-test kernels lint docs
 	export TF1_SYNCBN_TEST_BEHAVIOR=v2; $(PY) -m pytest -q $(XDIST) $(TIMES) $(SUITE) $(PYTEST_ARGS)
 	export TF1_SYNCBN_TEST_BEHAVIOR=v1; $(PY) -m pytest -q $(XDIST) $(TIMES) $(SUITE) $(PYTEST_ARGS)
 
-.PHONY: test-v2 test-v1
+.PHONY: test-v2 test-v1 test-full
 test-v2 test-v1: $(VENV)/.installed-test kernels
 	export TF1_SYNCBN_TEST_BEHAVIOR=$(@:test-%=%); $(PY) -m pytest -q $(XDIST) $(TIMES) $(SUITE) $(PYTEST_ARGS)
+
+# Everything make test leaves out to stay in CI's time budget (docs/testing.md,
+# "make test-full"): every case of the products that make test runs a covering
+# set of (tests/support/suite_scope.py), in both behaviours, then the version subset on
+# every supported TensorFlow before 2.21, then Horovod's tests. About 3 times
+# make test's time.
+test-full: $(VENV)/.installed-test kernels lint docs
+	export TF1_SYNCBN_TEST_FULL=1 TF1_SYNCBN_TEST_BEHAVIOR=v2; $(PY) -m pytest -q $(XDIST) $(SUITE) $(PYTEST_ARGS)
+	export TF1_SYNCBN_TEST_FULL=1 TF1_SYNCBN_TEST_BEHAVIOR=v1; $(PY) -m pytest -q $(XDIST) $(SUITE) $(PYTEST_ARGS)
+	TF1_SYNCBN_TEST_FULL=1 $(MAKE) test-versions TEST_VERSIONS='$(filter-out 2.21,$(TF_VERSIONS))'
+	TF1_SYNCBN_TEST_FULL=1 $(MAKE) test-horovod
 
 # Every supported TensorFlow (pyproject.toml: 2.15 to 2.21), each in its own
 # environment, from the pins below: `make venv-tf2.15` creates .venv-tf2.15;
@@ -105,10 +125,14 @@ KERAS2_2.20  := tf-keras==2.20.1
 TF_PINS_2.21 := tensorflow-cpu==2.21.0 keras==3.15.1
 KERAS2_2.21  := tf-keras==2.21.0
 TF_VERSIONS   := 2.15 2.16 2.17 2.18 2.19 2.20 2.21
-# What `make test-versions` (and CI) runs besides the full suite on .venv.
-TEST_VERSIONS ?= 2.15 2.20
+# What `make test-versions` (and CI) runs besides the whole suite on .venv
+# (2.21): 2.15, the oldest, the only one whose Keras 2 is the `keras` package
+# and whose tf.compat.v1.layers is Keras 2.15's; 2.16 to 2.20 take 2.21's paths
+# (tf-keras, Keras 3 beside it) and run in `make test-full`.
+TEST_VERSIONS ?= 2.15
 # The other packages the subset needs (no linters, docs or demo tools).
-VERSION_TEST_PINS := tf-slim==1.1.0 tensorpack==0.11 pytest "pytest-timeout>=2.1"
+VERSION_TEST_PINS := tf-slim==1.1.0 tensorpack==0.11 tqdm pytest "pytest-timeout>=2.1" \
+                     "pytest-xdist>=3.3"
 
 .PHONY: $(TF_VERSIONS:%=venv-tf%) $(TF_VERSIONS:%=test-tf%) test-versions
 $(TF_VERSIONS:%=venv-tf%): venv-tf%: .venv-tf%/.installed
@@ -118,8 +142,8 @@ $(TF_VERSIONS:%=venv-tf%): venv-tf%: .venv-tf%/.installed
 	@test -n "$(TF_PINS_$*)" || { echo "no pins for TensorFlow $* (supported: $(TF_VERSIONS))"; exit 2; }
 	$(PYTHON) -m venv .venv-tf$*
 	.venv-tf$*/bin/python -m pip --disable-pip-version-check install -q --upgrade pip setuptools wheel
-	.venv-tf$*/bin/python -m pip --disable-pip-version-check install -q $(TF_PINS_$*) $(VERSION_TEST_PINS)
-	.venv-tf$*/bin/python -m pip --disable-pip-version-check install -q --no-deps $(KERAS2_$*)
+	.venv-tf$*/bin/python -m pip --disable-pip-version-check install -q --no-compile $(TF_PINS_$*) $(VERSION_TEST_PINS)
+	.venv-tf$*/bin/python -m pip --disable-pip-version-check install -q --no-compile --no-deps $(KERAS2_$*)
 	.venv-tf$*/bin/python -m pip --disable-pip-version-check install -q --no-deps --no-build-isolation -e .
 	touch $@
 
@@ -130,8 +154,8 @@ $(TF_VERSIONS:%=venv-tf%): venv-tf%: .venv-tf%/.installed
 VERSION_TESTS = $(shell grep -l 'pytest.mark.versions' tests/*/test_*.py)
 $(TF_VERSIONS:%=test-tf%): test-tf%: .venv-tf%/.installed
 	.venv-tf$*/bin/python -m tf1_syncbn.kernels
-	TF1_SYNCBN_TEST_BEHAVIOR=v2 .venv-tf$*/bin/python -m pytest -q -m versions $(VERSION_TESTS) $(PYTEST_ARGS)
-	TF1_SYNCBN_TEST_BEHAVIOR=v1 .venv-tf$*/bin/python -m pytest -q -m versions $(VERSION_TESTS) $(PYTEST_ARGS)
+	TF1_SYNCBN_TEST_BEHAVIOR=v2 .venv-tf$*/bin/python -m pytest -q $(XDIST) -m versions $(VERSION_TESTS) $(PYTEST_ARGS)
+	TF1_SYNCBN_TEST_BEHAVIOR=v1 .venv-tf$*/bin/python -m pytest -q $(XDIST) -m versions $(VERSION_TESTS) $(PYTEST_ARGS)
 	.venv-tf$*/bin/python -m tf1_syncbn.selftest --towers 2 --steps 2
 
 test-versions: $(TEST_VERSIONS:%=test-tf%)

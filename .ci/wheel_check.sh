@@ -31,7 +31,7 @@ print('wheel-check: both carry the kernel sources (tf1_syncbn/kernels/sync_bn_op
 PY
 
 "$PYTHON" -m venv "$tmp/venv"
-"$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check "$wheel[cpu]"
+"$tmp/venv/bin/python" -m pip install -q --no-compile --disable-pip-version-check "$wheel[cpu]"
 cd "$tmp"
 "$tmp/venv/bin/python" -c 'import tensorflow as tf, tf1_syncbn; print("wheel-check: installed tf1_syncbn %s (%s) with TensorFlow %s" % (tf1_syncbn.__version__, tf1_syncbn.__file__, tf.__version__))'
 "$tmp/venv/bin/python" -m tf1_syncbn.selftest --towers 2

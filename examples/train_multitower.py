@@ -1,4 +1,4 @@
-"""SyncBN vs per-tower batch norm: a small conv net on scikit-learn's digits.
+"""SyncBN vs per-tower batch norm: a small conv net on the UCI handwritten digits.
 
 The main job of ``make demo``. It trains the same conv net twice, by default
 on one worker with 4 towers of virtual CPUs and 2 examples per tower (a
@@ -109,32 +109,10 @@ import warnings
 # instead; run with TF_CPP_MIN_LOG_LEVEL=0 to see TensorFlow's own messages.
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-import tf_slim as slim  # noqa: E402
-
-from tf1_syncbn import DistributedOptimizer, audit_graph, sync_batch_norm  # noqa: E402
-from tf1_syncbn.distributed import (ClusterError, WorkerSession,  # noqa: E402
-                                    average_across_workers, hard_exit, setup_cluster)
-from tf1_syncbn.distributed.restarts import restart_count  # noqa: E402
-from tower import call_for_each_tower, get_current_tower_context  # noqa: E402
-
-tf1 = tf.compat.v1
-
-# tf-slim's pooling and flatten layers wrap deprecated tf.layers classes.
-warnings.filterwarnings('ignore', message=r'`(layer\.apply|tf\.layers\.flatten)` is deprecated',
-                        category=UserWarning)
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS_PLOT = os.path.join(REPO, 'docs', 'demo.png')
-NUM_CLASSES = 10
-RUNS = ('sync', 'per_tower')
-LABELS = {'sync': 'SyncBN', 'per_tower': 'per-tower BN'}
-
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        description='Train a small conv net on sklearn digits on N towers (and W workers), '
+        description='Train a small conv net on handwritten digits on N towers (and W workers), '
                     'with SyncBN and with per-tower batch norm, and plot both.',
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument('--towers', type=int, default=4,
@@ -209,15 +187,57 @@ def parse_args(argv=None):
     return args
 
 
-def load_data(seed):
-    """Digits as [N, 8, 8, 1] float32 in [0, 1]; a stratified 75/25 split."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-    digits = load_digits()
-    images = (digits.images / 16.0).astype(np.float32)[..., None]
-    labels = digits.target.astype(np.int32)
-    return train_test_split(images, labels, test_size=0.25, random_state=seed,
-                            stratify=labels)
+if __name__ == '__main__' and any(a in ('-h', '--help') for a in sys.argv[1:]):
+    parse_args()        # prints the help and exits, before TensorFlow loads
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import tf_slim as slim  # noqa: E402
+
+from tf1_syncbn import DistributedOptimizer, audit_graph, sync_batch_norm  # noqa: E402
+from tf1_syncbn.distributed import (ClusterError, WorkerSession,  # noqa: E402
+                                    average_across_workers, hard_exit, setup_cluster)
+from tf1_syncbn.restarts import restart_count  # noqa: E402
+from tower import call_for_each_tower, get_current_tower_context  # noqa: E402
+
+tf1 = tf.compat.v1
+
+# tf-slim's pooling and flatten layers wrap deprecated tf.layers classes.
+warnings.filterwarnings('ignore', message=r'`(layer\.apply|tf\.layers\.flatten)` is deprecated',
+                        category=UserWarning)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS_PLOT = os.path.join(REPO, 'docs', 'demo.png')
+NUM_CLASSES = 10
+RUNS = ('sync', 'per_tower')
+LABELS = {'sync': 'SyncBN', 'per_tower': 'per-tower BN'}
+
+
+#: The UCI handwritten digits (1797 8x8 images, 10 classes), as scikit-learn ships
+#: them (data/README.md): bundled, so the demo needs no download and no scikit-learn.
+DIGITS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'digits.csv.gz')
+
+
+def load_data(seed, path=DIGITS, test_fraction=0.25):
+    """Digits as [N, 8, 8, 1] float32 in [0, 1]; a stratified 75/25 split seeded with ``seed``.
+
+    Returns:
+      ``x_train, x_test, y_train, y_test``: a quarter of each class, drawn by
+      ``np.random.RandomState(seed)``, is held out.
+    """
+    import gzip
+    with gzip.open(path, 'rt') as f:
+        table = np.loadtxt(f, delimiter=',', dtype=np.float32)
+    images = (table[:, :-1].reshape(-1, 8, 8, 1) / 16.0).astype(np.float32)
+    labels = table[:, -1].astype(np.int32)
+    rng = np.random.RandomState(seed)
+    held_out = []
+    for label in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == label))
+        held_out.extend(members[:int(round(test_fraction * len(members)))])
+    held_out = rng.permutation(held_out)
+    train = rng.permutation(np.setdiff1d(np.arange(len(labels)), held_out))
+    return images[train], images[held_out], labels[train], labels[held_out]
 
 
 def batch_indices(step, global_batch, num_examples, seed):
@@ -661,8 +681,19 @@ def _smooth(values, weight=0.9):
 
 
 def plot(histories, args, global_batch, path):
-    """Training and held-out loss and accuracy of both runs, 2x2 panels."""
-    import matplotlib
+    """Training and held-out loss and accuracy of both runs, 2x2 panels.
+
+    Returns:
+      Whether the plot was written: it needs matplotlib (``pip install
+      '.[demo]'``, which ``make demo`` installs); without it the demo says so
+      and goes on.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        print('No plot: matplotlib is not installed (pip install matplotlib, or '
+              "pip install '.[demo]').")
+        return False
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     colors = {'sync': 'tab:blue', 'per_tower': 'tab:red'}
@@ -695,13 +726,14 @@ def plot(histories, args, global_batch, path):
         ax.grid(alpha=0.3)
         ax.legend(loc='best', fontsize=8)
     workers = global_batch // (args.towers * args.batch_per_tower)
-    fig.suptitle('sklearn digits, %s%d towers x %d examples per tower (global batch %d): '
+    fig.suptitle('handwritten digits, %s%d towers x %d examples per tower (global batch %d): '
                  'synchronized vs per-tower batch norm'
                  % ('%d workers x ' % workers if workers > 1 else '', args.towers,
                     args.batch_per_tower, global_batch))
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+    return True
 
 
 def verdict(accuracies, min_accuracy, backend):
@@ -731,7 +763,7 @@ def run_worker(args, cluster):
     global_batch = cluster.num_towers * args.batch_per_tower
     me = cluster.describe(cluster.rank) if cluster.num_workers > 1 else None
     if chief:
-        print('sklearn digits: %d training, %d held-out images (8x8); %s%d towers x %d examples '
+        print('Digits: %d training, %d held-out images (8x8); %s%d towers x %d examples '
               'per tower = global batch %d; %d steps per run.'
               % (len(data[0]), len(data[1]),
                  '%d workers x ' % cluster.num_workers if cluster.num_workers > 1 else '',
@@ -782,7 +814,7 @@ def run_worker(args, cluster):
         metrics_path = os.path.join(out_dir, 'metrics.json')
         write_json(metrics_path, metrics, indent=1)
         plot_path = os.path.join(out_dir, 'syncbn_vs_per_tower.png')
-        plot(histories, args, global_batch, plot_path)
+        plotted = plot(histories, args, global_batch, plot_path)
         print()
         print('Final held-out accuracy (is_training=False, single tower, %d images):'
               % len(data[1]))
@@ -790,8 +822,9 @@ def run_worker(args, cluster):
             print(line)
         print('Checkpoint (sync model): %s' % checkpoints['sync'])
         print('Metrics: %s' % metrics_path)
-        print('Plot: %s' % plot_path)
-        if args.update_docs:
+        if plotted:
+            print('Plot: %s' % plot_path)
+        if args.update_docs and plotted:
             os.makedirs(os.path.dirname(DOCS_PLOT), exist_ok=True)
             shutil.copyfile(plot_path, DOCS_PLOT)
             print('Plot copied to %s (the picture in docs/demo.md).' % os.path.relpath(DOCS_PLOT))

@@ -11,6 +11,9 @@
 * :mod:`tf1_syncbn.keras`: tf-keras' (Keras 2) ``BatchNormalization`` for Keras
   models in TF1 graphs, and :func:`patch_keras` (both need tf-keras; loaded on
   first use, so ``import tf1_syncbn`` never imports tf-keras).
+* :func:`moments`, :func:`weighted_moments`: ``tf.nn.moments`` and
+  ``tf.nn.weighted_moments`` over the global batch of the towers, for
+  hand-written batch norm.
 * :func:`audit_graph`: whether every batch norm of a graph is synchronized and
   its moving averages update (also ``python -m tf1_syncbn.audit``).
 * :mod:`tf1_syncbn.export`: an inference graph (frozen ``GraphDef`` or
@@ -31,9 +34,16 @@
   ``python -m tf1_syncbn.launch`` (:mod:`tf1_syncbn.launch`).
 """
 
+# `python -m tf1_syncbn.<command> --help` answers here, before TensorFlow loads
+# (the imports below come after it on purpose).
+# ruff: noqa: E402
+from tf1_syncbn._cli import answer_help_early as _answer_help_early
+_answer_help_early()
+
 import sys as _sys
 
-from tf1_syncbn.backends import CollectiveBackend, HorovodBackend, NcclBackend, SyncBackend, SyncKey
+from tf1_syncbn.backends import (CollectiveBackend, HorovodBackend, NcclBackend, SyncBackend,
+                                 SyncKey)
 from tf1_syncbn.errors import PatchError, SyncBNWarning
 from tf1_syncbn.slim import convert_arg_scope, sync_arg_scope, sync_batch_norm
 from tf1_syncbn.tensorpack import BatchNorm, BatchRenorm, patch_tensorpack, start_finetuning
@@ -43,10 +53,10 @@ from tf1_syncbn.distributed import (Cluster, ClusterError, DistributedOptimizer,
                                     WorkerLostError, WorkerSession, all_reduce_gradients,
                                     average_across_workers, broadcast_variables, setup_cluster)
 from tf1_syncbn.audit import audit_graph
+from tf1_syncbn._core.moments import moments, weighted_moments
 from tf1_syncbn import export
 from tf1_syncbn import kernels as _kernels
 from tf1_syncbn.audit import report as _audit_report
-from tf1_syncbn.distributed import restarts as _restarts
 
 __all__ = ['sync_batch_norm', 'BatchNorm', 'BatchRenorm', 'start_finetuning', 'SyncBackend',
            'SyncKey', 'CollectiveBackend', 'NcclBackend', 'HorovodBackend']
@@ -56,7 +66,7 @@ __all__ += ['layers', 'patch_tf_layers']
 __all__ += ['setup_cluster', 'Cluster', 'DistributedOptimizer', 'all_reduce_gradients',
             'average_across_workers', 'broadcast_variables', 'WorkerSession', 'ClusterError',
             'PeerMissingError', 'WorkerLostError']
-__all__ += ['audit_graph', 'export']
+__all__ += ['audit_graph', 'export', 'moments', 'weighted_moments']
 
 # A graph saved with the compiled ops (a meta graph, a GraphDef) loads in a new
 # process once the package is imported: a cached build registers them (no compiler runs).
@@ -64,13 +74,10 @@ _kernels.register_cached()
 
 __version__ = '0.1.0'
 
-# Module paths the docs named before the package layout (issue 34): the same
-# module objects, so `from tf1_syncbn.restarts import restart_count` and
-# `tf1_syncbn.audit_report.AuditReport` keep working.
-for _old, _module in (('restarts', _restarts), ('audit_report', _audit_report)):
-    _sys.modules.setdefault(__name__ + '.' + _old, _module)
-    globals()[_old] = _module
-del _old, _module
+# A module path the docs named before the package layout (issue 34): the same
+# module object, so `tf1_syncbn.audit_report.AuditReport` keeps working.
+_sys.modules.setdefault(__name__ + '.audit_report', _audit_report)
+audit_report = _audit_report
 
 
 def __getattr__(name):

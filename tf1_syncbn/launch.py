@@ -31,7 +31,7 @@ bound the whole job, expired). ``--gpus-per-worker K`` is described above.
 
 With ``--max-restarts N`` (default 0), a failed worker makes the launcher
 stop the others as above and then start every worker again, up to ``N``
-times (:mod:`tf1_syncbn.distributed.restarts`): each worker's environment then also has
+times (:mod:`tf1_syncbn.restarts`): each worker's environment then also has
 ``TF1_SYNCBN_RESTART_COUNT`` (0 at the first start, ``k`` at the ``k``-th
 restart) and ``TF1_SYNCBN_MAX_RESTARTS``, and workers started on free ports
 get new ones. The restarted workers resume from the chief's latest complete
@@ -58,22 +58,9 @@ import threading
 import time
 
 if __package__:
-    from tf1_syncbn.distributed.restarts import RestartLoop, describe_exit, exit_status, restart_env
-else:   # python path/to/launch.py: distributed/restarts.py by its path, without the package
-    import importlib.util
-
-    def _load_restarts():
-        name = 'tf1_syncbn_launch_restarts'
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'distributed',
-                            'restarts.py')
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
-    _restarts = _load_restarts()
-    RestartLoop, describe_exit = _restarts.RestartLoop, _restarts.describe_exit
-    exit_status, restart_env = _restarts.exit_status, _restarts.restart_env
+    from tf1_syncbn.restarts import RestartLoop, describe_exit, exit_status, restart_env
+else:   # python path/to/launch.py: the module next to this file, without the package
+    from restarts import RestartLoop, describe_exit, exit_status, restart_env
 
 __all__ = ['Launcher', 'launch', 'free_ports', 'tf_config', 'gpu_assignment', 'main']
 
@@ -358,9 +345,9 @@ def launch(argv, num_workers, timeout=None, max_restarts=0, restarts=None, **kwa
       timeout: seconds before every worker is stopped (status 124), every
         restart included; None waits.
       max_restarts: how many times every worker is started again after a
-        failure (see the module docstring and :mod:`tf1_syncbn.distributed.restarts`).
+        failure (see the module docstring and :mod:`tf1_syncbn.restarts`).
       restarts: None, or a list that receives a
-        :class:`~tf1_syncbn.distributed.restarts.Restart` per restart.
+        :class:`~tf1_syncbn.restarts.Restart` per restart.
 
     Returns:
       The exit status (see the module docstring).
@@ -389,7 +376,8 @@ def launch(argv, num_workers, timeout=None, max_restarts=0, restarts=None, **kwa
             signal.signal(sig, handler)
 
 
-def main(argv=None):
+def build_parser():
+    """The command line's parser (also for its ``--help`` before the package loads)."""
     parser = argparse.ArgumentParser(
         prog='python -m tf1_syncbn.launch',
         description='Run a command as N local workers, each with its own TF_CONFIG; stop all '
@@ -410,6 +398,11 @@ def main(argv=None):
                              'slice of the launcher\'s own CUDA_VISIBLE_DEVICES when set)')
     parser.add_argument('command', nargs=argparse.REMAINDER,
                         help='the worker command (after --)')
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ['--'] else args.command
     if not command:

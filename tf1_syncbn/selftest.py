@@ -36,7 +36,6 @@ Usage::
 as TF1 scripts do (default: TF2-behaviour graph mode).
 """
 
-import argparse
 import collections
 import os
 import sys
@@ -47,6 +46,7 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from tf1_syncbn._cli import SELFTEST_BACKENDS, selftest_parser  # noqa: E402
 from tf1_syncbn.audit import audit_graph  # noqa: E402
 from tf1_syncbn.backends import CollectiveBackend  # noqa: E402
 from tf1_syncbn.slim import sync_batch_norm  # noqa: E402
@@ -57,7 +57,7 @@ __all__ = ['run_check', 'main', 'CheckResult', 'format_table', 'QUANTITIES', 'BA
 tf1 = tf.compat.v1
 
 #: The backends the self-test knows, in the order of ``--backend all``.
-BACKENDS = ('collective', 'nccl', 'auto')
+BACKENDS = SELFTEST_BACKENDS
 
 #: The compared quantities, in table order.
 QUANTITIES = ('output', 'input_grad', 'gamma_grad', 'beta_grad', 'moving_mean',
@@ -348,24 +348,7 @@ def format_table(results):
 
 
 def _parse(argv):
-    parser = argparse.ArgumentParser(
-        prog='python -m tf1_syncbn.selftest',
-        description='Checks that N synchronized sync_batch_norm towers equal one device '
-                    'running fused batch norm on the concatenated batch.')
-    parser.add_argument('--towers', type=int, default=None,
-                        help='number of towers (default: the number of GPUs when there are '
-                             'at least 2, else 4 virtual CPUs)')
-    parser.add_argument('--backend', choices=BACKENDS + ('all',), default='all',
-                        help='backend to check (default: all; nccl is skipped without GPUs)')
-    parser.add_argument('--device', choices=('auto', 'cpu', 'gpu'), default='auto',
-                        help='tower devices (default: GPUs when there is one per tower)')
-    parser.add_argument('--steps', type=int, default=10,
-                        help='timed training steps per backend (default 10)')
-    parser.add_argument('--seed', type=int, default=0)
-    parser.add_argument('--tf1-behavior', action='store_true',
-                        help='check under tf.compat.v1.disable_v2_behavior() (TF1 behaviour: '
-                             'reference variables, v1 control flow), as TF1 scripts run; '
-                             'default: TF2-behaviour graph mode')
+    parser = selftest_parser()
     args = parser.parse_args(argv)
     if args.towers is not None and args.towers < 1:
         parser.error('--towers must be at least 1')

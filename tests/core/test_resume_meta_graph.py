@@ -28,6 +28,9 @@ import sys
 import numpy as np
 import pytest
 
+import suite_scope
+import tf_behavior
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 #: The helpers and the scripts the tests start.
@@ -159,7 +162,19 @@ def _run(mode, directory, env):
     return json.loads(run.stdout.strip().splitlines()[-1]), run.stderr
 
 
-@pytest.mark.parametrize('config', sorted(CONFIGS))
+# make test: the compiled kernels and the stock ones (suite_scope.covering;
+# make test-full adds 'no-compiler', which resumes the same stock-kernel graph
+# as 'stock-onednn-off': what it adds, the build without a compiler falling back
+# to the stock kernels with a message, is test_kernels'
+# test_without_a_compiler_layers_fall_back_to_stock_kernels_with_a_warning). The
+# TF1-behaviour pass (reference variables restored and assigned): the compiled
+# graph (tf_behavior.pick).
+RUN_CONFIGS = tf_behavior.pick(suite_scope.covering(sorted(CONFIGS),
+                                                    ['compiled', 'stock-onednn-off']),
+                               ['compiled'])
+
+
+@pytest.mark.parametrize('config', RUN_CONFIGS)
 def test_import_meta_graph_restore_and_train_on_equals_the_uninterrupted_run(tmp_path, config):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', **CONFIGS[config])
     if config == 'no-compiler':

@@ -238,7 +238,7 @@ time.sleep(300)
 
 
 def test_max_restarts_restarts_every_worker_until_the_job_succeeds():
-    from tf1_syncbn.distributed.restarts import Restart
+    from tf1_syncbn.restarts import Restart
     restarts, out = [], _Lines()
     status = launch([sys.executable, '-c', RESTARTING, '2'], 2, timeout=60, max_restarts=3,
                     restarts=restarts, output=out, grace=0.2, kill_after=1.0)

@@ -125,7 +125,10 @@ def _audit(reports):
     return inspect
 
 
-@pytest.mark.parametrize('kernel_impl', kernel_sets())
+# The TF1-behaviour pass: the compiled kernels (tf_behavior.pick); the stock
+# kernels' TF1-behaviour paths are the core's, run by the parity modules.
+@pytest.mark.parametrize('kernel_impl', tf_behavior.pick(
+    kernel_sets(), [k for k in kernel_sets() if k == 'custom'] or kernel_sets()))
 def test_tower_loop_equals_one_device(reference, kernel_impl):
     """``tower_%d`` scopes, the model called per tower; the audit reports it synchronized."""
     reports = []

@@ -31,7 +31,7 @@ PUBLIC = {
         'all_reduce_gradients', 'average_across_workers', 'broadcast_variables', 'WorkerSession',
         'ClusterError', 'PeerMissingError', 'WorkerLostError', 'audit_graph', 'export',
         'keras', 'patch_keras', 'audit', 'distributed', 'backends', 'timeouts', 'kernel_sets',
-        'kernels', '__version__'],
+        'kernels', 'moments', 'weighted_moments', '__version__'],
     'tf1_syncbn.layers': ['BatchNormalization', 'batch_normalization', 'patch_tf_layers'],
     'tf1_syncbn.keras': ['BatchNormalization', 'BatchNormalizationV1', 'patch_keras',
                          'KERAS_PACKAGE', 'KERAS_BATCH_NORMALIZATION',
@@ -45,14 +45,11 @@ PUBLIC = {
         'PeerMissingError', 'WorkerLostError', 'hard_exit', 'DEFAULT_BUCKET_BYTES',
         'DEFAULT_STARTUP_TIMEOUT', 'DEFAULT_RESTORE_TIMEOUT', 'EXIT_STARTUP_HANG',
         'COMMUNICATION_HINTS'],
-    'tf1_syncbn.distributed.restarts': [
+    'tf1_syncbn.restarts': [
         'RestartLoop', 'Restart', 'restart_env', 'restart_count', 'start_line',
         'parse_start_line', 'exit_status', 'describe_exit', 'RESTART_COUNT_ENV',
         'MAX_RESTARTS_ENV'],
-    # The paths the docs named before the layout (docs/api/cli.md, docs/restarts.md,
-    # docs/api/tf1_syncbn.md, examples/train_multitower.py): aliases of the moved modules.
-    'tf1_syncbn.restarts': ['RestartLoop', 'Restart', 'restart_env', 'restart_count',
-                            'RESTART_COUNT_ENV', 'MAX_RESTARTS_ENV'],
+    # The path docs/api/tf1_syncbn.md named before the layout: an alias of the moved module.
     'tf1_syncbn.audit_report': ['AuditReport', 'LayerAudit'],
     'tf1_syncbn.backends': ['SyncBackend', 'SyncKey', 'CollectiveBackend', 'NcclBackend',
                             'HorovodBackend', 'stable_hash', 'DEFAULT_TIMEOUT', 'op_timeout',
@@ -89,12 +86,9 @@ def test_every_public_name_resolves(module):
         assert hasattr(imported, name), '%s.__all__ names %r, which it lacks' % (module, name)
 
 
-def test_the_old_paths_are_the_moved_modules():
+def test_the_old_path_is_the_moved_module():
     import tf1_syncbn.audit.report
     import tf1_syncbn.audit_report
-    import tf1_syncbn.distributed.restarts
-    import tf1_syncbn.restarts
-    assert tf1_syncbn.restarts is tf1_syncbn.distributed.restarts
     assert tf1_syncbn.audit_report is tf1_syncbn.audit.report
 
 

@@ -5,7 +5,11 @@ A block is a fragment when its first line is a comment starting with
 it is, in a fresh interpreter, in the TF behaviour of the test run
 (``tf_behavior``: the block's own ``disable_eager_execution()`` in v2,
 ``disable_v2_behavior()`` first in v1). A block that appears several times
-(the README's quick start and its page) runs once. The README's links into
+(the README's quick start and its page) runs once. A fragment whose first
+line ends with ``run after the script above in its folder.`` is a second
+process of the block before it (a serving process that loads what the
+script exported): it runs as written, without the TF behaviour's lines,
+right after that block, in the same folder. The README's links into
 docs/, and the pages' links to each other, must name existing pages and
 headings as GitHub reads them (Sphinx checks them as the site reads them:
 ``make docs``).
@@ -47,6 +51,13 @@ def _is_fragment(code):
     return code.lstrip().startswith('# Fragment')
 
 
+_AFTER = 'run after the script above in its folder.'
+
+
+def _is_follower(code):
+    return _is_fragment(code) and code.lstrip().split('\n', 1)[0].endswith(_AFTER)
+
+
 def _complete_blocks():
     """[(``page:line[, page:line ...]``, code)]: each distinct runnable block once."""
     where = {}
@@ -54,6 +65,12 @@ def _complete_blocks():
         if not _is_fragment(code):
             where.setdefault(code, []).append(place)
     return [(', '.join(places), code) for code, places in where.items()]
+
+
+def _followers():
+    """``{code of a block: code of the fragment that runs after it}``."""
+    blocks = [code for _, code in _blocks()]
+    return {before: code for before, code in zip(blocks, blocks[1:]) if _is_follower(code)}
 
 
 COMPLETE = _complete_blocks()
@@ -73,6 +90,8 @@ def test_the_pages_have_runnable_blocks_and_every_block_parses():
     assert len(COMPLETE) >= 6, 'the documentation lost its runnable examples'
     for place, code in _blocks():
         compile(code, place, 'exec')
+    assert any('serving_check.npz' in code for code in _followers().values()), \
+        'the SavedModel serving fragment no longer runs after its export script'
 
 
 @pytest.mark.parametrize('place,code', RUN, ids=[place for place, _ in RUN])
@@ -85,6 +104,13 @@ def test_complete_block_runs(place, code, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, '%s failed:\n%s\n%s' % (
         place, proc.stdout[-2000:], proc.stderr[-4000:])
+    follower = _followers().get(code)
+    if follower is not None:
+        (tmp_path / 'after.py').write_text(follower)
+        proc = subprocess.run([sys.executable, 'after.py'], cwd=str(tmp_path), env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, 'the fragment after %s failed:\n%s\n%s' % (
+            place, proc.stdout[-2000:], proc.stderr[-4000:])
 
 
 def _slug(heading):

@@ -29,6 +29,7 @@ import pytest
 import tensorflow as tf
 
 import reference_cases
+import suite_scope
 import tf_behavior
 from parity_harness import DEFAULT_SIZES, assert_same_numbers, train_case
 from without_onednn import kernel_set, kernel_cases, run_stock_cases_without_onednn
@@ -96,8 +97,20 @@ def _case(name, rank=4, data_format='NHWC', channels=None, **options):
     return dict(name=name, shape=shape, kwargs=kwargs, **options)
 
 
+PRODUCT = [(fused, rank, fmt) for fused in (None, True, False) for rank in (2, 3, 4, 5)
+           for fmt in ('NHWC', 'NCHW')]
+# make test runs a covering set of the fused x rank x layout product
+# (suite_scope.covering; make test-full all 24): every pair of values (each
+# fused with each rank and each layout, each rank in both layouts) in 12 cases.
+# What a triple left out would add is covered: the kernel for a rank and layout
+# is chosen by slim's fused resolution (fused=None resolves to True where the
+# fused kernel applies), so fused=None and fused=True reach the same kernel, and
+# every rank meets the fused kernel in both layouts across them.
+COVERING = [(None, 2, 'NHWC'), (None, 3, 'NCHW'), (None, 4, 'NCHW'), (None, 5, 'NHWC'),
+            (True, 2, 'NCHW'), (True, 3, 'NHWC'), (True, 4, 'NHWC'), (True, 5, 'NCHW'),
+            (False, 2, 'NHWC'), (False, 3, 'NCHW'), (False, 4, 'NHWC'), (False, 5, 'NCHW')]
 CASES = [_case('fused=%s-rank%d-%s' % (fused, rank, fmt), rank, fmt, kwargs={'fused': fused})
-         for fused in (None, True, False) for rank in (2, 3, 4, 5) for fmt in ('NHWC', 'NCHW')]
+         for fused, rank, fmt in suite_scope.covering(PRODUCT, COVERING)]
 CASES += [
     # Options that no fused kernel computes: slim's non-fused paths (biased variance).
     _case('adjustment-rank4', adjustment=True),

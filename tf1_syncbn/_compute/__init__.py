@@ -6,7 +6,9 @@
   fused op with its gradient, the differentiable all-reduce, ghost moments);
 * :mod:`~tf1_syncbn._compute.gradients`: custom gradients that do not keep
   their graph alive, and the backends' all-reduce ops as constants for
-  ``tf.gradients``.
+  ``tf.gradients``;
+* :mod:`~tf1_syncbn._compute.xla`: the library's ops kept out of XLA's
+  auto-clustering.
 
 The per-device kernel sets built on it are :mod:`tf1_syncbn.kernel_sets`.
 Imports only :mod:`tf1_syncbn.backends` (op types) and :mod:`tower`.

@@ -17,6 +17,7 @@ import contextlib
 
 import tensorflow as tf
 
+from tf1_syncbn._compute.xla import outside_xla_clusters
 from tf1_syncbn.backends import all_op_types
 from tower.graph_state import get_graph_state
 
@@ -68,10 +69,11 @@ def _gradient(op, *output_grads):
             'restore the checkpoint into it.' % op.name)
     grad_fn, num_outputs, with_inputs = entry
     output_grads = output_grads[:num_outputs]
-    if with_inputs:
-        input_grads = grad_fn(list(op.inputs)[num_outputs:], *output_grads)
-    else:
-        input_grads = grad_fn(*output_grads)
+    with outside_xla_clusters():        # the backward all-reduces and what surrounds them
+        if with_inputs:
+            input_grads = grad_fn(list(op.inputs)[num_outputs:], *output_grads)
+        else:
+            input_grads = grad_fn(*output_grads)
     return [None] * num_outputs + list(input_grads)
 
 

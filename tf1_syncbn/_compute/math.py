@@ -379,3 +379,46 @@ def weighted_local_moments(xs4, fmt, weights=None):
     return count, mean, m2
 
 
+
+
+def pack_counted_moments(count, shift, mean, m2):
+    """Packs local moments with a count per position, for one sum all-reduce, in float64.
+
+    The form of :func:`pack_moments` for statistics of any shape, each with
+    its own count (or total weight): ``tf1_syncbn.moments`` and
+    ``weighted_moments`` over arbitrary axes.
+
+    Args:
+      count, shift, mean, m2: ``[P]`` vectors (float32 or float64): the count
+        (or total weight), the shift subtracted from the data, the mean of the
+        shifted data and the sum of (weighted) squared deviations from it.
+
+    Returns:
+      A float64 vector ``[n, n*mu, M2 + n*mu^2]`` of length ``3P``, where
+      ``mu = shift + mean``.
+    """
+    n = tf.cast(count, PACK_DTYPE)
+    mu = tf.cast(shift, PACK_DTYPE) + tf.cast(mean, PACK_DTYPE)
+    return tf.concat([n, n * mu, tf.cast(m2, PACK_DTYPE) + n * mu * mu], 0,
+                     name='packed_moments')
+
+
+def unpack_counted_moments(packed, size):
+    """Inverse of the sum of :func:`pack_counted_moments` over towers.
+
+    Args:
+      packed: the summed float64 vector of length ``3 * size``.
+      size: ``P``, an int or a scalar int tensor.
+
+    Returns:
+      ``(count, mean, var)`` in float64 ``[P]``: the global count, mean and
+      biased variance (``M2 / n``, never negative); mean and variance 0 where
+      the count is 0 (as ``tf.math.divide_no_nan``).
+    """
+    n = packed[:size]
+    nonzero = n > 0.0
+    safe_n = tf.where(nonzero, n, tf.ones_like(n))
+    mean = tf.where(nonzero, packed[size:2 * size] / safe_n, tf.zeros_like(n))
+    var = tf.where(nonzero, tf.maximum(packed[2 * size:] / safe_n - mean * mean, 0.0),
+                   tf.zeros_like(n))
+    return n, mean, var

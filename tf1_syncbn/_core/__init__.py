@@ -13,7 +13,9 @@ In the order a call goes through it:
   on the kernel sets (:mod:`tf1_syncbn.kernel_sets`, :mod:`tf1_syncbn._compute`);
 * :mod:`~tf1_syncbn._core.updates`: the moving averages, built once and
   shared with every tower;
-* :mod:`~tf1_syncbn._core.records`: what :mod:`tf1_syncbn.export` reads of each call.
+* :mod:`~tf1_syncbn._core.records`: what :mod:`tf1_syncbn.export` reads of each call;
+* :mod:`~tf1_syncbn._core.moments`: ``tf1_syncbn.moments`` / ``weighted_moments``
+  (``tf.nn``'s over every tower's batch), through the same group and plan.
 
 And what the front-ends share besides: :mod:`~tf1_syncbn._core.keras2` (the
 Keras 2 the tf.layers and Keras front-ends replace),

@@ -24,6 +24,7 @@ conversion to another).
 
 import tensorflow as tf
 
+from tf1_syncbn._compute.xla import outside_xla_clusters
 from tf1_syncbn._core import normalize as _normalize
 from tf1_syncbn._core import records as _inference_records
 from tf1_syncbn._core import updates as _updates
@@ -69,8 +70,17 @@ def batch_norm(x, layout, options, params, batch_weights=None,
 
     Hangs: a synchronized training call waits in its all-reduces for every
     member of its group; see :mod:`tf1_syncbn._sync.guards` for what turns that
-    into an error.
+    into an error. Its ops stay out of XLA's auto-clustering
+    (:mod:`tf1_syncbn._compute.xla`).
     """
+    with outside_xla_clusters():
+        return _batch_norm(x, layout, options, params, batch_weights, updates_collections,
+                           update_moving, finetune, prediction_towers_update,
+                           trigger_after_output)
+
+
+def _batch_norm(x, layout, options, params, batch_weights, updates_collections, update_moving,
+                finetune, prediction_towers_update, trigger_after_output):
     weights = check_batch_weights(options, batch_weights, x)
     group = find_group(options, prediction_towers_update)
     training = options.is_training

@@ -28,6 +28,7 @@ from tf1_syncbn import kernel_sets
 from tf1_syncbn._compute import engine as _engine
 from tf1_syncbn._compute import math as _math
 from tf1_syncbn._core.variables import read
+from tf1_syncbn._sync import ghost_batches as _ghost_batches
 
 tf1 = tf.compat.v1
 
@@ -225,6 +226,8 @@ def _ghost(x, x4, fmt, layout, options, gamma, beta, plan):
                             'every virtual batch, so its batch must be a multiple of %d.'
                             % (name, vbs, static_batch, members, name, members, per_member,
                                per_member))
+    if plan is not None:
+        x4 = _ghost_batches.checked_batch(options, plan, x4)
     batch = tf.shape(x4)[0]
     check = tf.debugging.assert_equal(
         tf.math.floormod(batch, per_member), 0,

@@ -43,7 +43,8 @@ class Group(collections.namedtuple('Group', ['ctx', 'index', 'towers', 'main', '
       main: whether this call builds the moving-average updates (the main
         training tower).
       call: the call's name, the same in every tower (see
-        :meth:`tf1_syncbn._sync.registry.CallRegistry.call_name`).
+        :meth:`tf1_syncbn._sync.registry.CallRegistry.call_name`); an inference
+        call (``is_training=False``) takes no index: ``'<base>:inference'``.
       workers: how many processes build ``towers`` towers each into the group
         (a ``tf.distribute`` multi-worker strategy; 1 elsewhere).
       replicated_updates: every tower builds the moving-average updates and
@@ -117,8 +118,12 @@ def find_group(options, prediction_towers_update=False):
                                     % (scope, index, options.arg('num_dev'), num_dev))
         index = index or 0
         main = index == 0
-    call = get_registry().call_name(towers, index,
-                                    base_name(tf1.get_variable_scope().name, ctx))
+    base = base_name(tf1.get_variable_scope().name, ctx)
+    # An inference call builds no collective and no update: it takes no call
+    # index, so calls built before, between or after the towers (a validation
+    # graph, `training=False`) never shift the towers' numbering.
+    call = get_registry().call_name(towers, index, base) if options.is_training is not False \
+        else '%s:inference' % base
     return Group(ctx, index, towers, main, call, workers,
                  bool(getattr(ctx, 'replicated_updates', False)))
 

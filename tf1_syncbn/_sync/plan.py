@@ -28,7 +28,8 @@ __all__ = ['SyncPlan', 'plan_sync', 'backward_direction']
 
 
 class SyncPlan(collections.namedtuple('SyncPlan',
-                                      ['backend', 'key', 'guards', 'watched', 'backward_builds'])):
+                                      ['backend', 'key', 'guards', 'watched', 'backward_builds',
+                                       'tower'])):
     """How one call synchronizes (frozen).
 
     Attributes:
@@ -40,6 +41,7 @@ class SyncPlan(collections.namedtuple('SyncPlan',
         carry no per-op timeout).
       backward_builds: counts this member's backward all-reduces
         (:func:`backward_direction`).
+      tower: this member's tower index in its graph (for messages and checks).
     """
 
     @property
@@ -136,5 +138,5 @@ def plan_sync(options, group):
     get_registry().register(key, group.index, group.towers, backend,
                             track=isinstance(group.ctx, TowerContext))
     guards, watched = _guards.step_guards(device, backend.step_timeout())
-    return SyncPlan(backend, key, guards, watched, itertools.count())
+    return SyncPlan(backend, key, guards, watched, itertools.count(), group.index)
 

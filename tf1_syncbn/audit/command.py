@@ -1,12 +1,12 @@
 """The command line of the audit, ``python -m tf1_syncbn.audit``: :func:`main`, and
 :func:`read_meta_graph`, which reads an exported ``MetaGraphDef`` without building it."""
 
-import argparse
 import sys
 
 from google.protobuf import message, text_format
 from tensorflow.core.protobuf import meta_graph_pb2
 
+from tf1_syncbn._cli import audit_parser
 from tf1_syncbn.audit.rules import audit_graph
 
 __all__ = ['read_meta_graph', 'main']
@@ -55,16 +55,7 @@ def main(argv=None):
       The exit status: 0 when the graph has no problem, 1 when it has, 2 when
       the file or the arguments are wrong.
     """
-    parser = argparse.ArgumentParser(
-        prog='python -m tf1_syncbn.audit',
-        description='Audits the batch-norm layers of an exported training graph (MetaGraphDef): '
-                    'towers, synchronization, moving-average updates. Exits 1 on problems.')
-    parser.add_argument('meta_graph', help='a .meta file (tf.compat.v1.train.export_meta_graph)')
-    parser.add_argument('--train-op', action='append', metavar='NAME',
-                        help='the op one training step runs (repeat for several fetched ops, '
-                             'e.g. the update ops); default: the graph\'s train_op collection')
-    parser.add_argument('--tower-pattern', action='append', metavar='REGEX',
-                        help='another tower name-scope convention, e.g. "gpu([0-9]+)"')
+    parser = audit_parser()
     args = parser.parse_args(argv)
     try:
         report = audit_graph(read_meta_graph(args.meta_graph), args.train_op,

@@ -6,7 +6,9 @@ tower through *anchors*, ops that only batch norm builds:
 * this library's training ops: the ``IdentityN`` named ``sync_batch_norm`` /
   ``all_reduce`` with the library's gradient, ``SyncBnMoments``, the slow
   path's ``packed_moments`` and the ``update_moving_averages`` trigger that
-  every non-main training tower holds;
+  every non-main training tower holds; under a ``moments`` scope
+  (``tf1_syncbn.moments`` in a hand-written batch norm), the layer is the
+  enclosing scope, as for ``tf.nn.moments``;
 * ``FusedBatchNorm*`` (slim, ``tf.layers``, Keras, tensorpack), with batch
   statistics or, ``is_training=False``, the moving ones;
 * ``<layer>/moments/mean`` (``tf.nn.moments``) and ``<layer>/batchnorm/Rsqrt``
@@ -57,10 +59,10 @@ def _anchor(node):
     op = node.op
     if op == 'IdentityN' and _SYNC_IDENTITY.fullmatch(last) and \
             getattr(node.get_attr('_gradient_op_type'), 's', None) == _LIBRARY_GRADIENT:
-        return scope, 'library'
+        return _moments_layer(scope), 'library'
     if op == 'SyncBnMoments' or (op == 'ConcatV2' and last == 'packed_moments') or \
             (op == 'NoOp' and last == 'update_moving_averages'):
-        return scope, 'library'
+        return _moments_layer(scope), 'library'
     if op in _FUSED:
         training = node.get_attr('is_training')
         return scope, 'fused' if training is None or training.b else 'infer'
@@ -69,6 +71,13 @@ def _anchor(node):
     if op == 'Rsqrt' and scope.rsplit('/', 1)[-1] == 'batchnorm':
         return parent_scope(scope), 'infer'
     return None
+
+
+def _moments_layer(scope):
+    """The layer of ``tf1_syncbn.moments``' ops (``<layer>/moments``), as of ``tf.nn.moments``'."""
+    if _MOMENTS.fullmatch(scope.rsplit('/', 1)[-1]):
+        return parent_scope(scope)
+    return scope
 
 
 class Instance(object):

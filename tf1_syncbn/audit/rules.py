@@ -74,6 +74,10 @@ def unsynchronized_towers(layer):
     if not synced:
         if layer.computation == 'tf1_syncbn':
             fix = ("Pass sync_statistics='auto' (or a backend) instead of None")
+        elif layer.computation == 'moments':
+            fix = ('Synchronize it: replace its tf.nn.moments by tf1_syncbn.moments (a batch '
+                   'norm written by hand; docs/hand-written.md), or use one of the '
+                   'library\'s layers')
         else:
             fix = ('Synchronize it: tf1_syncbn.sync_batch_norm as the normalizer_fn (slim; '
                    'tf_slim.nets built inside tf1_syncbn.sync_arg_scope()), '

@@ -110,13 +110,23 @@ def is_model_graph_call(inputs):
     tensor (``keras.Input(tensor=images)``, as tensorpack's
     ``KerasModelCaller`` does in its first tower) is that tower's.
 
+    A layer called inside another layer's ``call`` (``TimeDistributed``, a
+    custom layer's ``self.bn(tf.nn.relu(x))``) gets a tensor without Keras'
+    history: the graph is then followed back from it, through TensorFlow's
+    ops, to the tensors that have one (:func:`_derived_from_model_inputs`).
+
     Returns:
       True when ``inputs`` carry Keras' history back to input layers that
       created their placeholders, and to nothing else.
     """
     history = getattr(inputs, '_keras_history', None)
     if history is None:
-        return False
+        return _derived_from_model_inputs(inputs)
+    return _history_from_placeholders(history)
+
+
+def _history_from_placeholders(history):
+    """Whether Keras' history leads back to input layers that made placeholders, and only there."""
     nodes = getattr(history.layer, '_inbound_nodes', None) or []
     stack = nodes[history.node_index:history.node_index + 1]
     seen, found = set(), False
@@ -131,6 +141,41 @@ def is_model_graph_call(inputs):
                 return False        # a tower's tensor, or something Keras did not make
             found = True
         stack.extend(parents)
+    return found
+
+
+#: Ops a walk back from a tensor without Keras' history visits at most.
+_MAX_WALK = 2000
+
+
+def _derived_from_model_inputs(tensor):
+    """Whether a tensor without Keras' history is computed from the model's own inputs only.
+
+    Follows the tensor's ops back (data inputs) and stops at tensors with
+    Keras' history: true when it meets at least one, every one it meets
+    leads back to the model's placeholders (:func:`_history_from_placeholders`),
+    and no placeholder without history (a tower's data) is on the way.
+    Constants and variables are neither.
+    """
+    if not tf.is_tensor(tensor) or not hasattr(tensor, 'op'):
+        return False
+    stack, seen, found = [tensor], set(), False
+    while stack:
+        t = stack.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        if len(seen) > _MAX_WALK:
+            return False
+        history = getattr(t, '_keras_history', None)
+        if history is not None:
+            if not _history_from_placeholders(history):
+                return False
+            found = True
+            continue
+        if t.op.type == 'Placeholder':
+            return False
+        stack.extend(t.op.inputs)
     return found
 
 

@@ -9,18 +9,16 @@ Usage: ``python -m tf1_syncbn.kernels [--force]`` (``--force``: compile even whe
 cached).
 """
 
-import argparse
 import os
 import sys
+
+from tf1_syncbn._cli import kernels_parser
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog='python -m tf1_syncbn.kernels',
-                                     description=__doc__.split('\n')[0])
-    parser.add_argument('--force', action='store_true', help='compile even when cached')
-    args = parser.parse_args(argv)
+    args = kernels_parser().parse_args(argv)
     from tf1_syncbn import kernels  # noqa: PLC0415 - after the log level is set
     try:
         path = kernels.build(force=args.force)
