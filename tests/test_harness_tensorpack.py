@@ -28,7 +28,6 @@ import pytest
 
 import tf_behavior
 from legacy_reference import run_reference
-from without_onednn import onednn_off_here
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The TF1-behaviour pass (tf_behavior.pick): 2 towers, the stock kernels with oneDNN off.
@@ -41,16 +40,8 @@ PROCESSES = {
     'onednn-on': ({'TF1_SYNCBN_KERNELS': '1'}, ['custom']),
     'onednn-off': ({'TF1_SYNCBN_KERNELS': '0', 'TF_ENABLE_ONEDNN_OPTS': '0'}, ['stock']),
 }
-if onednn_off_here():
-    # oneDNN is off in this process already (a CPU without AVX-512 VNNI/BF16,
-    # or TF_ENABLE_ONEDNN_OPTS=0): one subprocess runs both kernel sets, and
-    # the tensorpack reference once.
-    PROCESSES = {'onednn-off': ({'TF_ENABLE_ONEDNN_OPTS': '0'}, ['custom', 'stock'])}
-    KERNEL_SETS = tf_behavior.pick([('onednn-off', 'custom'), ('onednn-off', 'stock')],
-                                   [('onednn-off', 'stock')])
-else:
-    KERNEL_SETS = tf_behavior.pick([('onednn-on', 'custom'), ('onednn-off', 'stock')],
-                                   [('onednn-off', 'stock')])
+KERNEL_SETS = tf_behavior.pick([('onednn-on', 'custom'), ('onednn-off', 'stock')],
+                               [('onednn-off', 'stock')])
 SUFFIX = {'custom': '', 'stock': '@stock'}
 
 
