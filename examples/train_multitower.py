@@ -75,10 +75,10 @@ synchronized over all towers, its updates run by the train op; the
 intended for the comparison.
 
 What to expect (times and machines: docs/demo.md): at 2
-examples per tower the per-tower model's held-out accuracy stays at 77% to
-85% over seeds 0 to 2 (its 2-example statistics are far from the moving
+examples per tower the per-tower model's held-out accuracy stays at 65% to
+78% over seeds 0 to 2 (its 2-example statistics are far from the moving
 statistics used at inference) while SyncBN, with 8-example statistics,
-reaches 98% to 99.8% (docs/demo.md: the figures, and the machines they come from).
+reaches 99.1% to 99.8% (docs/demo.md: the figures, and the machines they come from).
 
 The job exits with status 1 when the SyncBN model's held-out accuracy is
 below ``--min-accuracy`` (default 0.95), or when a worker fails; with status
