@@ -60,7 +60,7 @@ def checked_batch(options, plan, x4):
     """
     static = tf.compat.dimension_value(x4.shape[0])
     table = get_graph_state().slot(_SLOT, dict)
-    first = table.setdefault(plan.key.name, (plan.tower, static))
+    first = table.setdefault((plan.key.name, plan.key.group), (plan.tower, static))
     first_tower, first_static = first
     vbs = options.virtual_batch_size
     name = options.arg('virtual_batch_size')
@@ -91,9 +91,9 @@ def checked_batch(options, plan, x4):
 
 def _all_reduced_check(options, plan, x4):
     """Every member's batch size, all-reduced, asserted equal before the ghost all-reduce."""
-    towers = max(plan.group_size, plan.tower + 1)
+    towers = max(plan.group_size, plan.member + 1)
     batch = tf.cast(tf.shape(x4)[0], tf.float64)
-    slots = tf.one_hot(plan.tower, towers, dtype=tf.float64) * batch
+    slots = tf.one_hot(plan.member, towers, dtype=tf.float64) * batch
     packed = tf.concat([tf.stack([tf.ones([], tf.float64), batch, batch * batch]), slots], 0)
     summed = plan.all_reduce(packed, 'ghost_batches')
     members, total, squares = summed[0], summed[1], summed[2]

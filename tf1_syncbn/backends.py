@@ -33,7 +33,8 @@ __all__ = ['SyncBackend', 'SyncKey', 'CollectiveBackend', 'NcclBackend', 'Horovo
            'stable_hash', 'DEFAULT_TIMEOUT', 'op_timeout']
 
 
-SyncKey = collections.namedtuple('SyncKey', ['name', 'layer', 'group_size', 'device'])
+SyncKey = collections.namedtuple('SyncKey', ['name', 'layer', 'group_size', 'device',
+                                             'members', 'group'], defaults=(None, None))
 SyncKey.__doc__ = """What identifies one synchronized all-reduce.
 
 Attributes:
@@ -42,7 +43,23 @@ Attributes:
   layer: the layer's full scope in this tower, for error messages.
   group_size: the number of members.
   device: the canonical device string of this member's forward op.
+  members: the global tower indices of this member's sync group (worker
+    ``w``'s tower ``t`` is ``w * towers + t``), a sorted tuple; None when the
+    group is every tower of every worker (no ``group_size``). Backends key
+    each group's collectives apart (:func:`group_label`).
+  group: the index of that sync group among the groups (None with ``members``).
 """
+
+
+def group_label(key):
+    """``''`` for a key of every tower, else ``'/group<members>'``: the group's part of its keys.
+
+    Members rather than the group index, so that explicit groups that share
+    nothing never share a key.
+    """
+    if key.members is None:
+        return ''
+    return '/group' + ','.join(str(m) for m in key.members)
 
 
 def stable_hash(text, bits=31):
@@ -150,6 +167,23 @@ class SyncBackend(object):
         """Raises ``ValueError`` at graph build when ``key`` cannot work here."""
         del key
 
+    def worker_rank(self):
+        """This process's rank among the workers the group spans (0 with one), or None if unknown.
+
+        Sync groups (``group_size``) number towers globally: worker ``w``'s
+        tower ``t`` is ``w * towers + t``.
+        """
+        return 0
+
+    def all_reduce_workers(self, tensor, key, direction):
+        """The sum of ``tensor`` over one member per worker (each worker's main tower).
+
+        Used by sync groups to give every worker the moving statistics of
+        worker 0's group (:meth:`tf1_syncbn._plan.SyncPlan.main_group_statistics`).
+        A backend without it refuses groups that need it, at graph build.
+        """
+        raise NotImplementedError
+
     def step_timeout(self):
         """Seconds a step may run while one of this backend's all-reduces waits (0: no bound).
 
@@ -196,11 +230,14 @@ class CollectiveBackend(SyncBackend):
         towers (multi-worker training); the group then spans
         ``towers * num_workers`` members. The session must be configured for
         collectives across processes (``experimental.collective_group_leader``).
+      rank: this worker's rank (0 to ``num_workers - 1``, chief first), which
+        sync groups (the layers' ``group_size``) need to number the towers
+        globally; ``Cluster.backend()`` passes it. Not needed with one worker.
     """
 
     name = 'collective'
 
-    def __init__(self, timeout=None, communication_hint='auto', num_workers=1):
+    def __init__(self, timeout=None, communication_hint='auto', num_workers=1, rank=None):
         timeout = DEFAULT_TIMEOUT if timeout is None else validate_timeout(
             timeout, 'CollectiveBackend')
         if communication_hint not in ('auto', 'ring', 'nccl'):
@@ -209,18 +246,39 @@ class CollectiveBackend(SyncBackend):
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError('CollectiveBackend: num_workers must be a positive int, got %r.'
                              % (num_workers,))
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or
+                                 not 0 <= rank < num_workers):
+            raise ValueError('CollectiveBackend: rank must be an int in [0, num_workers=%d), '
+                             'got %r.' % (num_workers, rank))
         self.timeout = timeout
         self.communication_hint = communication_hint
         self.num_workers = num_workers
+        self.rank = rank
 
     def group_size(self, towers):
         return towers * self.num_workers
 
+    def worker_rank(self):
+        return 0 if self.num_workers == 1 else self.rank
+
     def group_key(self, key):
-        return stable_hash('tf1_syncbn/group/%s/%d' % (device_type(key.device), key.group_size))
+        return stable_hash('tf1_syncbn/group/%s/%d%s' % (device_type(key.device), key.group_size,
+                                                         group_label(key)))
 
     def instance_key(self, key, direction):
-        return stable_hash('tf1_syncbn/instance/%s/%s' % (key.name, direction))
+        return stable_hash('tf1_syncbn/instance/%s/%s%s' % (key.name, direction,
+                                                            group_label(key)))
+
+    def all_reduce_workers(self, tensor, key, direction):
+        from tensorflow.python.ops import collective_ops  # noqa: PLC0415 - TF-internal
+        group_key = stable_hash('tf1_syncbn/main-towers/%s/%d' % (device_type(key.device),
+                                                                  self.num_workers))
+        with tf.device(key.device):
+            return collective_ops.all_reduce(
+                tensor, self.num_workers, group_key,
+                stable_hash('tf1_syncbn/instance/%s/%s' % (key.name, direction)),
+                merge_op='Add', final_op='Id', communication_hint=self.communication_hint,
+                timeout=op_timeout(self.timeout))
 
     def check(self, key):
         if key.group_size > 1 and not key.device:
@@ -243,7 +301,9 @@ class CollectiveBackend(SyncBackend):
                 timeout=op_timeout(self.timeout))
 
     def __repr__(self):
-        return 'CollectiveBackend(timeout=%r, num_workers=%d)' % (self.timeout, self.num_workers)
+        rank = ', rank=%d' % self.rank if self.rank is not None else ''
+        return 'CollectiveBackend(timeout=%r, num_workers=%d%s)' % (self.timeout, self.num_workers,
+                                                                    rank)
 
 
 class NcclBackend(SyncBackend):
@@ -268,7 +328,8 @@ class NcclBackend(SyncBackend):
         check_local_gpu(key.layer, key.device, self.name)
 
     def shared_name(self, key, direction):
-        return re.sub(r'[^A-Za-z0-9_./-]', '_', 'tf1_syncbn/%s/%s' % (key.name, direction))
+        return re.sub(r'[^A-Za-z0-9_./-]', '_', 'tf1_syncbn/%s/%s%s' % (key.name, direction,
+                                                                         group_label(key)))
 
     def all_reduce(self, tensor, key, direction):
         from tensorflow.python.ops import gen_nccl_ops  # noqa: PLC0415 - NCCL backend only
@@ -335,15 +396,47 @@ class HorovodBackend(SyncBackend):
     def group_size(self, towers):
         return self._hvd.size() * towers
 
+    def worker_rank(self):
+        return self._hvd.rank()
+
+    def check_groups(self, layer, groups, towers):
+        """Raises ``ValueError`` for sync groups that span Horovod processes.
+
+        Groups within one process are collectives among its towers (no
+        Horovod op); groups across processes would need Horovod process sets,
+        which must be registered when ``hvd.init`` runs, before the graph.
+        """
+        for members in groups:
+            if len({m // towers for m in members}) > 1:
+                raise ValueError(
+                    "%s: sync_statistics='horovod' cannot synchronize the group of towers %s: "
+                    'it spans Horovod processes (%d towers per process), and a group across '
+                    'processes would need a Horovod process set, which hvd.init must register '
+                    'before any graph is built. Use a group_size that divides the %d towers '
+                    'of each process (each group is then a collective among its towers), '
+                    'or run the workers with tf1_syncbn.distributed and CollectiveBackend, '
+                    'whose groups may span workers.'
+                    % (layer, list(members), towers, towers))
+
     def towers(self, key):
         """The number of towers per process in ``key``'s group."""
         return key.group_size // self._hvd.size()
 
     def check(self, key):
-        if self.towers(key) > 1:
+        if key.members is not None:
+            self._local.check(key)
+        elif self.towers(key) > 1:
             self._local.check(key._replace(group_size=self.towers(key)))
 
+    def all_reduce_workers(self, tensor, key, direction):
+        name = re.sub(r'[^A-Za-z0-9_.-]', '_', 'tf1_syncbn.%s.%s' % (key.name, direction))
+        with tf.device(key.device):
+            return self._hvd.allreduce(tensor, op=self._hvd.Sum, name=name)
+
     def all_reduce(self, tensor, key, direction):
+        if key.members is not None:     # a group within this process (check_groups)
+            return self._local.all_reduce(tensor, key._replace(name='horovod/' + key.name),
+                                          direction)
         towers = self.towers(key)
         if towers > 1:
             local = key._replace(name='horovod/' + key.name, group_size=towers)
