@@ -266,8 +266,12 @@ class CollectiveBackend(SyncBackend):
                                                          group_label(key)))
 
     def instance_key(self, key, direction):
-        return stable_hash('tf1_syncbn/instance/%s/%s%s' % (key.name, direction,
-                                                            group_label(key)))
+        # Not the group: TensorFlow keys a collective's buffers by group and
+        # instance, and the sessions of the workers derive the step ids of
+        # their collectives from the set of instance keys of their graph, which
+        # must then be the same in every worker (per-worker groups would
+        # otherwise wait for each other's steps forever).
+        return stable_hash('tf1_syncbn/instance/%s/%s' % (key.name, direction))
 
     def all_reduce_workers(self, tensor, key, direction):
         from tensorflow.python.ops import collective_ops  # noqa: PLC0415 - TF-internal
