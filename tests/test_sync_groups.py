@@ -16,7 +16,7 @@ import tf_behavior
 from bn_reference import bn_backward, bn_forward, build_towers, split_batches, var
 from conftest import make_session
 from tf1_syncbn import CollectiveBackend, sync_batch_norm
-from tower import call_for_each_tower
+from tower import call_for_each_tower, get_current_tower_context
 
 tf1 = tf.compat.v1
 EPS = 1e-3
@@ -172,3 +172,56 @@ def test_a_missing_tower_is_named_with_its_group(graph):
                            match=r'never by tower 3 in sync group 2 of 2 \(towers 2, 3\)'):
             sess.run(ys, {x: np.ones((2, 3)) for x in xs})
         assert time.time() - start < 30
+
+
+@pytest.mark.once
+def test_the_audit_shows_the_groups_and_flags_towers_that_disagree():
+    import audit_cases
+    from tf1_syncbn import audit_graph
+
+    graph, train_op = audit_cases.tower_contexts(
+        sync_batch_norm, towers=4, bn_params={'group_size': 2, 'sync_statistics': 'collective'})
+    report = audit_graph(graph, train_op)
+    assert report.problems == []
+    for entry in report.layers:
+        assert entry.groups == (('tower0', 'tower1'), ('tower2', 'tower3'))
+        assert entry.sync_summary().startswith('collective (2 groups: tower0, tower1 | '
+                                               'tower2, tower3)'), entry.sync_summary()
+
+    # A tower whose all-reduce is keyed apart from its group's (built with other groups,
+    # in a graph the registry did not see: the build refuses that in one graph).
+    graph_def = graph.as_graph_def()
+    for node in graph_def.node:
+        if node.op == 'CollectiveReduce' and node.name.startswith('tower3/') and \
+                not node.name.startswith('tower3/gradients'):
+            node.attr['group_key'].i += 1
+    report = audit_graph(graph_def, train_op.name)
+    assert len(report.problems) == 4, report.problems     # two groups of one, per layer
+    assert 'sync group 2 of 3 (tower2) all-reduces over 2 members but 1 tower of this graph ' \
+        'joins it' in report.problems[0], report.problems[0]
+    assert 'sync group 3 of 3 (tower3)' in report.problems[1], report.problems[1]
+
+
+@pytest.mark.once
+def test_towers_that_disagree_on_the_groups_are_refused_at_build(graph):
+    def model(x):   # towers 2 and 3 synchronize with every tower
+        index = get_current_tower_context().index
+        return sync_batch_norm(x, group_size=2 if index < 2 else None,
+                               sync_statistics='collective')
+
+    with pytest.raises(ValueError, match=r"tower 2 builds 'BatchNorm:0' in one group of every "
+                                         r"tower, but tower 0 built it in sync group 1 of 2 "
+                                         r"\(towers 0, 1\)"):
+        build_towers(model, 4, SHAPE)
+
+
+@pytest.mark.once
+def test_the_selftest_checks_and_shows_groups(capsys):
+    from tf1_syncbn import selftest
+    code = selftest.main(['--towers', '4', '--group-size', '2', '--backend', 'collective',
+                          '--device', 'cpu', '--steps', '1'])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert 'sync groups (group_size=2): group 1: towers 0, 1 | group 2: towers 2, 3' in out
+    assert 'collective (2 groups: tower0, tower1 | tower2, tower3)' in out
+    assert selftest.main(['--towers', '4', '--group-size', '3', '--device', 'cpu']) == 1

@@ -110,8 +110,9 @@ class SyncPlan(collections.namedtuple('SyncPlan',
         packed = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors], 0)
         if self.sync_group.rank != 0:
             packed = tf.zeros_like(packed)
+        # (The audit tells this all-reduce from the group's by the name scope.)
         with tf.control_dependencies(self.guards), timeouts.watched(self.watched), \
-                raw_collectives():
+                raw_collectives(), tf.name_scope('main_group_statistics'):
             summed = self.backend.all_reduce_workers(packed, self.key, 'main-statistics')
         parts = tf.split(summed, tf.stack(sizes), num=len(tensors))
         return [tf.cast(tf.reshape(p, shape), t.dtype)

@@ -97,6 +97,16 @@ class CallRegistry(object):
                 '%s: tower %d builds the synchronized layer %r twice under the same key. '
                 'Build each tower once per TowerContext, or give the towers distinct indices.'
                 % (key.layer, tower_index, key.name))
+        previous = self._labels.get(key.name)
+        if members and previous != (labels or None):
+            index = sorted(members)[0]
+            raise ValueError(
+                '%s: tower %d builds %r in %s, but tower %d built it in %s. Every tower must '
+                'build the layer with the same group_size.'
+                % (key.layer, tower_index, key.name,
+                   'sync %s' % labels[tower_index] if labels else 'one group of every tower',
+                   index, 'sync %s' % previous[index] if previous else
+                   'one group of every tower'))
         for index, member in members.items():
             if type(member.backend) is not type(backend):
                 raise ValueError(
@@ -110,8 +120,7 @@ class CallRegistry(object):
                     'its own device.' % (key.layer, index, tower_index, key.device))
         members[tower_index] = _Member(key.device, backend, key.layer)
         self._totals[key.name] = total
-        if labels:
-            self._labels[key.name] = labels
+        self._labels[key.name] = labels or None
         if track:
             self._pending[total].add(key.name)
         was_incomplete = bool(self._incomplete)
@@ -163,7 +172,7 @@ class CallRegistry(object):
             missing = sorted(set(range(total)) - set(members))
             if missing:
                 built = sorted(members)
-                labels = self._labels.get(name, {})
+                labels = self._labels.get(name) or {}
                 problems.append('%s (a group of %d towers: built by tower%s %s, never by '
                                 'tower%s %s)' % (
                                     members[built[0]].layer, total,
