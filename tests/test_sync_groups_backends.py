@@ -2,15 +2,18 @@
 
 NCCL has no CPU kernel and Horovod is not installed here: their graphs are
 built (on fake GPUs, with a fake ``horovod.tensorflow``), not run, as
-tests/test_sync_communication.py does for NCCL. tf.distribute strategies
-refuse groups at build.
+tests/test_sync_communication.py does for NCCL. Under ``MirroredStrategy``
+each group equals its reference and the moving statistics are replica 0's
+group's.
 """
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
+from bn_reference import bn_forward
 from tf1_syncbn import CollectiveBackend, HorovodBackend, audit_graph, backends, sync_batch_norm
-from tower import call_for_each_tower
+from tower import call_for_each_tower, virtual_cpu_config
 
 tf1 = tf.compat.v1
 
@@ -101,12 +104,33 @@ def test_groups_across_workers_need_the_rank(graph):
                 ['/cpu:0', '/cpu:1'])
 
 
-@pytest.mark.once
-def test_tf_distribute_strategies_refuse_groups():
+def test_mirrored_strategy_groups_equal_their_references():
+    """Replica 0's group feeds the moving statistics (the strategy keeps the first replica's
+    updates), on every replica's copy of the variables."""
     graph = tf.Graph()
+    xs = []
     with graph.as_default():
-        strategy = tf1.distribute.MirroredStrategy(['/cpu:0', '/cpu:1'])
-        with strategy.scope(), pytest.raises(ValueError, match='sync groups are not supported '
-                                                               'with tf.distribute strategies'):
-            strategy.run(lambda: sync_batch_norm(tf1.placeholder(tf.float32, [None, 3]),
-                                                 group_size=1))
+        strategy = tf1.distribute.MirroredStrategy(['/cpu:%d' % i for i in range(4)])
+
+        def replica():
+            x = tf1.placeholder(tf.float32, [None, 3])
+            xs.append(x)
+            return sync_batch_norm(x, group_size=2, decay=0.5)
+
+        with strategy.scope():
+            ys = strategy.experimental_local_results(strategy.run(replica))
+        updates = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
+        moving_mean, = [v for v in tf1.global_variables() if 'moving_mean' in v.name]
+        init = tf1.global_variables_initializer()
+    rng = np.random.RandomState(0)
+    parts = [rng.randn(n, 3) * (i + 1) + 3 * i for i, n in enumerate([2, 3, 1, 2])]
+    with tf1.Session(graph=graph, config=virtual_cpu_config(4)) as sess:
+        sess.run(init)
+        got, _ = sess.run([list(ys), updates], dict(zip(xs, parts)))
+        copies = sess.run(list(moving_mean.values))
+    refs = [bn_forward(np.concatenate(parts[g:g + 2]), np.ones(3), np.zeros(3), 1e-3)
+            for g in (0, 2)]
+    for g, ref in zip((0, 2), refs):
+        np.testing.assert_allclose(np.concatenate(got[g:g + 2]), ref['y'], atol=1e-4)
+    for copy in copies:
+        np.testing.assert_allclose(copy, 0.5 * refs[0]['mean'], rtol=1e-5, atol=1e-6)

@@ -237,12 +237,14 @@ def find_sync_group(options, group, backend):
     groups = sync_groups(options, group.towers, workers)
     if len(groups) == 1:
         return None
-    if group.replicated_updates:
+    if group.replicated_updates and group.workers > 1:
+        # One worker: the strategy keeps replica 0's updates (ONLY_FIRST_REPLICA),
+        # so the moving statistics follow replica 0's group, as the rule says.
         raise options.error(
-            '%s=%r under %r: sync groups are not supported with tf.distribute strategies, '
-            "whose replicas update the moving statistics together. Leave %s unset (every "
-            'replica synchronizes), or build the towers with tower.TowerContext / '
-            'call_for_each_tower (or tf1_syncbn.distributed across workers).'
+            '%s=%r under %r: sync groups are not supported with multi-worker tf.distribute '
+            "strategies, whose workers each keep their first replica's moving statistics. "
+            'Leave %s unset (every replica synchronizes), or run the workers with '
+            'tf1_syncbn.distributed and tower.call_for_each_tower, where groups span workers.'
             % (options.arg('group_size'), options.group_size, group.ctx,
                options.arg('group_size')))
     rank = backend.worker_rank()
