@@ -19,58 +19,17 @@ Choose a backend with the ``sync_statistics`` argument of the layers: a string
 object such as ``CollectiveBackend(timeout=30)``.
 """
 
-import collections
-import hashlib
-import os
 import re
 import warnings
 
 import tensorflow as tf
 
-from tf1_syncbn.timeouts import DEFAULT_TIMEOUT, op_timeout, validate_timeout
+from tf1_syncbn._keys import SyncKey, group_label, stable_hash
+from tf1_syncbn.timeouts import (DEFAULT_TIMEOUT, op_timeout, stall_shutdown_seconds,
+                                 validate_timeout)
 
 __all__ = ['SyncBackend', 'SyncKey', 'CollectiveBackend', 'NcclBackend', 'HorovodBackend',
            'stable_hash', 'DEFAULT_TIMEOUT', 'op_timeout']
-
-
-SyncKey = collections.namedtuple('SyncKey', ['name', 'layer', 'group_size', 'device',
-                                             'members', 'group'], defaults=(None, None))
-SyncKey.__doc__ = """What identifies one synchronized all-reduce.
-
-Attributes:
-  name: the name shared by every member: the layer's scope with tower prefixes
-    stripped, plus the per-tower call index (``'block1/BatchNorm:0'``).
-  layer: the layer's full scope in this tower, for error messages.
-  group_size: the number of members.
-  device: the canonical device string of this member's forward op.
-  members: the global tower indices of this member's sync group (worker
-    ``w``'s tower ``t`` is ``w * towers + t``), a sorted tuple; None when the
-    group is every tower of every worker (no ``group_size``). Backends key
-    each group's collectives apart (:func:`group_label`).
-  group: the index of that sync group among the groups (None with ``members``).
-"""
-
-
-def group_label(key):
-    """``''`` for a key of every tower, else ``'/group<members>'``: the group's part of its keys.
-
-    Members rather than the group index, so that explicit groups that share
-    nothing never share a key.
-    """
-    if key.members is None:
-        return ''
-    return '/group' + ','.join(str(m) for m in key.members)
-
-
-def stable_hash(text, bits=31):
-    """A hash of ``text`` that is the same in every process (unlike ``hash()``).
-
-    Returns:
-      An int in ``[1, 2**bits - 1]`` (never 0, which TF reserves).
-    """
-    digest = hashlib.sha256(text.encode('utf-8')).digest()
-    value = int.from_bytes(digest[:8], 'big') % ((1 << bits) - 1)
-    return value + 1
 
 
 def device_type(device):
@@ -168,19 +127,14 @@ class SyncBackend(object):
         del key
 
     def worker_rank(self):
-        """This process's rank among the workers the group spans (0 with one), or None if unknown.
-
-        Sync groups (``group_size``) number towers globally: worker ``w``'s
-        tower ``t`` is ``w * towers + t``.
-        """
+        """This worker's rank (0 with one worker; None if unknown), for sync groups' numbering."""
         return 0
 
     def all_reduce_workers(self, tensor, key, direction):
         """The sum of ``tensor`` over one member per worker (each worker's main tower).
 
-        Used by sync groups to give every worker the moving statistics of
-        worker 0's group (:meth:`tf1_syncbn._plan.SyncPlan.main_group_statistics`).
-        A backend without it refuses groups that need it, at graph build.
+        Sync groups use it for the moving statistics of worker 0's group
+        (:meth:`tf1_syncbn._plan.SyncPlan.main_group_statistics`).
         """
         raise NotImplementedError
 
@@ -266,23 +220,14 @@ class CollectiveBackend(SyncBackend):
                                                          group_label(key)))
 
     def instance_key(self, key, direction):
-        # Not the group: TensorFlow keys a collective's buffers by group and
-        # instance, and the sessions of the workers derive the step ids of
-        # their collectives from the set of instance keys of their graph, which
-        # must then be the same in every worker (per-worker groups would
-        # otherwise wait for each other's steps forever).
+        # Not the group's: a worker's session derives its collectives' step ids
+        # from its graph's instance keys, which must match across workers.
         return stable_hash('tf1_syncbn/instance/%s/%s' % (key.name, direction))
 
     def all_reduce_workers(self, tensor, key, direction):
-        from tensorflow.python.ops import collective_ops  # noqa: PLC0415 - TF-internal
-        group_key = stable_hash('tf1_syncbn/main-towers/%s/%d' % (device_type(key.device),
-                                                                  self.num_workers))
-        with tf.device(key.device):
-            return collective_ops.all_reduce(
-                tensor, self.num_workers, group_key,
-                stable_hash('tf1_syncbn/instance/%s/%s' % (key.name, direction)),
-                merge_op='Add', final_op='Id', communication_hint=self.communication_hint,
-                timeout=op_timeout(self.timeout))
+        # The group of every worker's tower of this index (one per worker).
+        return self.all_reduce(tensor, key._replace(group_size=self.num_workers, members=None,
+                                                    group=None), direction)
 
     def check(self, key):
         if key.group_size > 1 and not key.device:
@@ -448,29 +393,6 @@ class HorovodBackend(SyncBackend):
         name = re.sub(r'[^A-Za-z0-9_.-]', '_', 'tf1_syncbn.%s.%s' % (key.name, direction))
         with tf.device(key.device):
             return self._hvd.allreduce(tensor, op=self._hvd.Sum, name=name)
-
-
-def stall_shutdown_seconds(environ=None):
-    """Seconds after which Horovod's stall inspector shuts a stalled job down (0: never).
-
-    Read from the environment as Horovod reads it at ``hvd.init()`` (C
-    ``strtol``): ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``, 0 when unset, when
-    ``HOROVOD_STALL_CHECK_DISABLE`` is a positive number, or when it is below
-    ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (default 60), where Horovod ignores it.
-    """
-    environ = os.environ if environ is None else environ
-
-    def number(name, default):
-        if name not in environ:
-            return default
-        match = re.match(r'\s*([+-]?[0-9]+)', environ[name])
-        return int(match.group(1)) if match else 0
-
-    if number('HOROVOD_STALL_CHECK_DISABLE', 0) > 0:
-        return 0
-    shutdown = number('HOROVOD_STALL_SHUTDOWN_TIME_SECONDS', 0)
-    return shutdown if shutdown > 0 and shutdown >= number('HOROVOD_STALL_CHECK_TIME_SECONDS',
-                                                            60) else 0
 
 
 _BY_NAME = {

@@ -218,10 +218,9 @@ class _Synchronized(object):
 
     def _sync_config(self, config):
         """tf-keras' config, plus this layer's arguments where they are not the defaults."""
-        if self.num_dev is not None:
-            config['num_dev'] = self.num_dev
-        if self.group_size is not None:
-            config['group_size'] = self.group_size
+        for name in ('num_dev', 'group_size'):
+            if getattr(self, name) is not None:
+                config[name] = getattr(self, name)
         spec = self.sync_statistics
         if spec is None or (isinstance(spec, str) and spec != 'auto'):
             config['sync_statistics'] = spec
@@ -282,9 +281,7 @@ class BatchNormalization(_Synchronized, KERAS_BATCH_NORMALIZATION):
         behaviour) or a :class:`tf1_syncbn.SyncBackend`.
       num_dev: the number of towers, for towers built as ``tower_<i>`` /
         ``clone_<i>`` name scopes without a tower context.
-      group_size: None (synchronize every tower), an int (groups of that many
-        consecutive global towers) or explicit groups (lists of global tower
-        indices); as for :func:`tf1_syncbn.sync_batch_norm`.
+      group_size: sync groups, as for :func:`tf1_syncbn.sync_batch_norm`.
       **kwargs: tf-keras' others: ``renorm``, ``renorm_clipping``,
         ``renorm_momentum``, ``fused``, ``trainable``, ``virtual_batch_size``,
         ``adjustment``, ``name``, ``dtype`` (a mixed-precision policy
@@ -373,8 +370,7 @@ def patch_keras(sync_statistics='auto', num_dev=None, group_size=None):
         is active (``'auto'``: synchronize over the towers they are called in).
       num_dev: the layers' default ``num_dev`` (the number of towers of a
         script whose towers are ``tower_<i>`` name scopes).
-      group_size: the layers' default ``group_size`` (synchronize within
-        groups of that many consecutive global towers; None: every tower).
+      group_size: the layers' default ``group_size`` (docs/sync-groups.md).
 
     Returns:
       A handle with ``restore()``, usable as a context manager.

@@ -101,9 +101,7 @@ class BatchNormalization(object):
         :class:`tf1_syncbn.SyncBackend`.
       num_dev: the number of towers, for towers built without a tower context
         (``tower_<i>`` / ``clone_<i>`` name scopes).
-      group_size: None (synchronize every tower), an int (groups of that many
-        consecutive global towers) or explicit groups (lists of global tower
-        indices); as for :func:`tf1_syncbn.sync_batch_norm`.
+      group_size: sync groups, as for :func:`tf1_syncbn.sync_batch_norm`.
       **kwargs: ``dtype`` (the input is cast to it: float16, bfloat16 or
         float32), and tf.layers' private ``_scope`` and ``_reuse``.
 
@@ -167,8 +165,7 @@ class BatchNormalization(object):
         self.virtual_batch_size = virtual_batch_size
         self.adjustment = adjustment
         self.sync_statistics = sync_statistics
-        self.num_dev = num_dev
-        self.group_size = group_size
+        self.num_dev, self.group_size = num_dev, group_size
         self._scope = None
         if scope:
             with tf1.variable_scope(scope) as captured:
@@ -448,6 +445,6 @@ def batch_normalization(inputs, axis=-1, momentum=0.99, epsilon=1e-3, center=Tru
         beta_constraint=beta_constraint, gamma_constraint=gamma_constraint, renorm=renorm,
         renorm_clipping=renorm_clipping, renorm_momentum=renorm_momentum, fused=fused,
         trainable=trainable, virtual_batch_size=virtual_batch_size, adjustment=adjustment,
-        name=name, sync_statistics=sync_statistics, num_dev=num_dev, group_size=group_size,
-        _reuse=reuse, _scope=name)
+        name=name, sync_statistics=sync_statistics, num_dev=num_dev, _reuse=reuse,
+        _scope=name, group_size=group_size)
     return layer(inputs, training=training)

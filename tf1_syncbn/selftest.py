@@ -32,11 +32,8 @@ Usage::
                                   [--device auto|cpu|gpu] [--steps K] [--seed S]
                                   [--group-size G] [--tf1-behavior]
 
-``--group-size G`` synchronizes within groups of ``G`` consecutive towers
-(the layers' ``group_size``): each group is compared with fused batch norm on
-its own concatenated batch, the gamma and beta gradients with the sum over the
-groups, and the moving statistics with the first group's (the group of tower
-0, docs/sync-groups.md); the audit shows the groups.
+``--group-size G``: sync groups of ``G`` towers, each against its own batch;
+the moving statistics against the first group's (docs/sync-groups.md).
 
 ``--tf1-behavior`` runs the check under ``tf.compat.v1.disable_v2_behavior()``,
 as TF1 scripts do (default: TF2-behaviour graph mode).
@@ -256,9 +253,8 @@ def run_check(backend, towers=4, batch_sizes=None, shape=DEFAULT_SHAPE, decay=0.
       device: ``'auto'``, ``'cpu'`` or ``'gpu'``, see :func:`pick_devices`.
       rtol, atol: a quantity matches when ``|actual - expected| <= atol + rtol
         * |expected|`` element-wise.
-      group_size: None (one group of every tower), or synchronize within
-        groups of that many consecutive towers (it must divide ``towers``);
-        each group is compared with the reference on its own batch.
+      group_size: None, or sync groups of that many consecutive towers
+        (dividing ``towers``), each against the reference on its own batch.
 
     Returns:
       A :class:`CheckResult`; ``status`` is ``'PASS'``, ``'FAIL'`` or ``'SKIP'``.
