@@ -225,3 +225,35 @@ def test_the_selftest_checks_and_shows_groups(capsys):
     assert 'sync groups (group_size=2): group 1: towers 0, 1 | group 2: towers 2, 3' in out
     assert 'collective (2 groups: tower0, tower1 | tower2, tower3)' in out
     assert selftest.main(['--towers', '4', '--group-size', '3', '--device', 'cpu']) == 1
+
+
+@pytest.mark.once
+@pytest.mark.parametrize('static', [True, False])
+def test_ghost_batches_within_groups_of_different_batch_sizes(graph, rng, static):
+    """Virtual batch k of a group: the k-th run of 2 examples of each of its towers.
+
+    Static batch sizes are checked per group at build; unknown ones by an
+    all-reduce of the group's sizes (one slot per member of the group).
+    """
+    from tf1_syncbn.tensorpack_layer import BatchNorm
+    sizes = [4, 4, 2, 2]          # static, equal within each group, not across groups
+    xs, ys = [], []
+
+    def tower():
+        x = tf1.placeholder(tf.float32, [sizes[len(xs)] if static else None, 3])
+        xs.append(x)
+        ys.append(BatchNorm('bn', x, training=True, epsilon=EPS, virtual_batch_size=4,
+                            group_size=2, sync_statistics=CollectiveBackend(timeout=60)))
+
+    call_for_each_tower(tower, ['/cpu:%d' % i for i in range(4)])
+    parts = [(rng.randn(n, 3) * (t + 1) + t).astype(np.float32) for t, n in enumerate(sizes)]
+    with make_session(graph, 4) as sess:
+        sess.run(tf1.global_variables_initializer())
+        got = sess.run(ys, dict(zip(xs, parts)))
+    for members in ([0, 1], [2, 3]):
+        for k in range(sizes[members[0]] // 2):
+            run = slice(2 * k, 2 * k + 2)
+            expected = bn_forward(np.concatenate([parts[t][run] for t in members]),
+                                  np.ones(3), np.zeros(3), EPS)['y']
+            np.testing.assert_allclose(np.concatenate([got[t][run] for t in members]),
+                                       expected, rtol=1e-4, atol=1e-4)
