@@ -100,11 +100,13 @@ def _all_reduced_check(options, plan, x4):
     # Equal sizes iff their variance is zero (exact: integers in float64).
     same = tf.equal(members * squares, total * total)
     name = options.arg('virtual_batch_size')
+    listed = ('by tower index (summed over workers)' if plan.sync_group is None else
+              'by member of sync %s' % plan.sync_group.label())
     check = tf.debugging.Assert(
         same, ['%s: %s=%d needs the same batch size in every tower of the sync group (virtual '
                'batch k spans the k-th run of each), but the towers\' batch sizes differ in '
-               'this step; by tower index (summed over workers):'
-               % (options.layer, name, options.virtual_batch_size), summed[3:],
+               'this step; %s:' % (options.layer, name, options.virtual_batch_size, listed),
+               summed[3:],
                '%s %s' % (_fix(options), _RESTART)],
         summarize=towers, name='check_ghost_batches')
     with tf.control_dependencies([check]):
