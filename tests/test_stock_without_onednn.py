@@ -21,7 +21,7 @@ from without_onednn import ChildRun, count_kernel_cases
 # The TF1-behaviour pass (tf_behavior.pick): exactness (every path) and formats (every
 # rank and layout: Dimension shapes); the parity modules run their own stock child.
 MODULES = tf_behavior.pick(['test_sync_exactness', 'test_sync_numerics', 'test_sync_formats',
-                            'test_harness_name_scopes'],
+                            'test_harness_name_scopes', 'test_sync_groups'],
                            ['test_sync_exactness', 'test_sync_formats'])
 
 

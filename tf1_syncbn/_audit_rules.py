@@ -21,13 +21,15 @@ is an :class:`~tf1_syncbn.audit_report.AuditReport`. The command line is
 :mod:`tf1_syncbn.audit`.
 """
 
+import collections
 import re
 
 import tensorflow as tf
 
 from tf1_syncbn import audit_report as report_lib
 from tf1_syncbn._audit_index import GraphIndex, parent_scope, tower_of
-from tf1_syncbn._audit_layers import collective_group, find_layers
+from tf1_syncbn._audit_layers import (MAIN_GROUP_STATISTICS, collective_group, collective_key,
+                                      find_layers)
 from tower import harness
 
 __all__ = ['audit_graph']
@@ -204,6 +206,60 @@ def _sync_problems(key, computation, towers, synced_towers, sizes, backends):
     return []
 
 
+def _sync_groups(in_step):
+    """The sync groups of a layer's training towers: ``[(towers, group sizes)]``.
+
+    Towers whose forward all-reduces share a group key (NCCL: a group label)
+    are one group; the layers' ``group_size`` gives several. In the order of
+    their first tower.
+    """
+    groups = collections.OrderedDict()
+    for instance in in_step:
+        for node in instance.collectives:
+            if MAIN_GROUP_STATISTICS in node.name.split('/'):
+                continue
+            towers, sizes = groups.setdefault(collective_key(node), ([], set()))
+            if instance.tower not in towers:
+                towers.append(instance.tower)
+            size = collective_group(node)[1]
+            if size:
+                sizes.add(size)
+    return [(tuple(towers), sizes) for towers, sizes in groups.values()]
+
+
+def _group_problems(key, groups, in_step):
+    """Groups whose towers disagree: a tower in two groups, sizes that differ, missing members.
+
+    Towers on other workers (``/job:`` devices) may complete a group, so a
+    group with fewer towers here than its size is flagged only in a graph of
+    one process.
+    """
+    problems = []
+    seen = {}
+    multi_process = any('/job:' in (i.device or '') for i in in_step)
+    for number, (towers, sizes) in enumerate(groups, 1):
+        label = 'sync group %d of %d (%s)' % (number, len(groups),
+                                             report_lib.format_towers(towers))
+        twice = [t for t in towers if t in seen]
+        if twice:
+            problems.append('%s: %s also all-reduces in sync group %d: its towers disagree on '
+                            'the groups. Build the layer with the same group_size in every '
+                            'tower.' % (key, report_lib.format_towers(twice), seen[twice[0]]))
+        for tower in towers:
+            seen.setdefault(tower, number)
+        if len(sizes) > 1:
+            problems.append('%s: the towers of %s disagree on its size (%s). Build the layer '
+                            'with the same group_size in every tower.'
+                            % (key, label, ', '.join(str(n) for n in sorted(sizes))))
+        elif sizes and not multi_process and min(sizes) != len(towers):
+            problems.append('%s: %s all-reduces over %d members but %s of this graph '
+                            'join%s it, so its all-reduce waits for towers that never come. '
+                            'Build the layer with the same group_size in every tower.'
+                            % (key, label, min(sizes), '1 tower' if len(towers) == 1 else
+                               '%d towers' % len(towers), 's' if len(towers) == 1 else ''))
+    return problems
+
+
 def _canonical_device(device):
     try:
         return tf.DeviceSpec.from_string(device).to_string()
@@ -269,9 +325,11 @@ def _layer(key, group, found):
     training_towers = _unique(i.tower for i in in_step)
     synced_towers = _unique(i.tower for i in in_step if i.collectives)
     forward = [c for i in in_step for c in i.collectives]
-    described = [collective_group(c) for c in forward]
+    described = [collective_group(c) for c in forward
+                 if MAIN_GROUP_STATISTICS not in c.name.split('/')]
     backends = {b for b, _ in described}
     sizes = sorted({s for _, s in described if s})
+    groups = _sync_groups(in_step)
     collectives = forward + found['backward'].get(key, [])
     untowered = _untowered_problems(key, computation, in_step)
     status, update_ops, update_problems, update_notes = _update_status(
@@ -285,13 +343,18 @@ def _layer(key, group, found):
         computation=computation,
         synchronized=_synchronized(synced_towers, training_towers),
         backend='/'.join(sorted(backends)) or None, group_size=sizes[-1] if sizes else None,
+        groups=tuple(towers for towers, _ in groups) if len(groups) > 1 else (),
         collectives_per_step=sum(1 for c in collectives if reached is None or c.key in reached),
         updates=status, update_ops=update_ops,
         moving_variables=tuple(sorted(n.name for k, _, n in found['variables'].values()
                                       if k == key)),
         devices=tuple(sorted({_canonical_device(i.device) for i in in_step if i.device})))
-    layer.problems = _sync_problems(key, computation, training_towers, synced_towers, sizes,
-                                    backends) + untowered + update_problems
+    if len(groups) > 1:      # sync groups (group_size): each group is checked on its own
+        sync_problems = _group_problems(key, groups, in_step)
+    else:
+        sync_problems = _sync_problems(key, computation, training_towers, synced_towers, sizes,
+                                       backends)
+    layer.problems = sync_problems + untowered + update_problems
     layer.notes = update_notes
     return layer
 

@@ -19,41 +19,17 @@ Choose a backend with the ``sync_statistics`` argument of the layers: a string
 object such as ``CollectiveBackend(timeout=30)``.
 """
 
-import collections
-import hashlib
-import os
 import re
 import warnings
 
 import tensorflow as tf
 
-from tf1_syncbn.timeouts import DEFAULT_TIMEOUT, op_timeout, validate_timeout
+from tf1_syncbn._keys import SyncKey, group_label, stable_hash
+from tf1_syncbn.timeouts import (DEFAULT_TIMEOUT, op_timeout, stall_shutdown_seconds,
+                                 validate_timeout)
 
 __all__ = ['SyncBackend', 'SyncKey', 'CollectiveBackend', 'NcclBackend', 'HorovodBackend',
            'stable_hash', 'DEFAULT_TIMEOUT', 'op_timeout']
-
-
-SyncKey = collections.namedtuple('SyncKey', ['name', 'layer', 'group_size', 'device'])
-SyncKey.__doc__ = """What identifies one synchronized all-reduce.
-
-Attributes:
-  name: the name shared by every member: the layer's scope with tower prefixes
-    stripped, plus the per-tower call index (``'block1/BatchNorm:0'``).
-  layer: the layer's full scope in this tower, for error messages.
-  group_size: the number of members.
-  device: the canonical device string of this member's forward op.
-"""
-
-
-def stable_hash(text, bits=31):
-    """A hash of ``text`` that is the same in every process (unlike ``hash()``).
-
-    Returns:
-      An int in ``[1, 2**bits - 1]`` (never 0, which TF reserves).
-    """
-    digest = hashlib.sha256(text.encode('utf-8')).digest()
-    value = int.from_bytes(digest[:8], 'big') % ((1 << bits) - 1)
-    return value + 1
 
 
 def device_type(device):
@@ -150,6 +126,18 @@ class SyncBackend(object):
         """Raises ``ValueError`` at graph build when ``key`` cannot work here."""
         del key
 
+    def worker_rank(self):
+        """This worker's rank (0 with one worker; None if unknown), for sync groups' numbering."""
+        return 0
+
+    def all_reduce_workers(self, tensor, key, direction):
+        """The sum of ``tensor`` over one member per worker (each worker's main tower).
+
+        Sync groups use it for the moving statistics of worker 0's group
+        (:meth:`tf1_syncbn._plan.SyncPlan.main_group_statistics`).
+        """
+        raise NotImplementedError
+
     def step_timeout(self):
         """Seconds a step may run while one of this backend's all-reduces waits (0: no bound).
 
@@ -196,11 +184,14 @@ class CollectiveBackend(SyncBackend):
         towers (multi-worker training); the group then spans
         ``towers * num_workers`` members. The session must be configured for
         collectives across processes (``experimental.collective_group_leader``).
+      rank: this worker's rank (0 to ``num_workers - 1``, chief first), which
+        sync groups (the layers' ``group_size``) need to number the towers
+        globally; ``Cluster.backend()`` passes it. Not needed with one worker.
     """
 
     name = 'collective'
 
-    def __init__(self, timeout=None, communication_hint='auto', num_workers=1):
+    def __init__(self, timeout=None, communication_hint='auto', num_workers=1, rank=None):
         timeout = DEFAULT_TIMEOUT if timeout is None else validate_timeout(
             timeout, 'CollectiveBackend')
         if communication_hint not in ('auto', 'ring', 'nccl'):
@@ -209,18 +200,34 @@ class CollectiveBackend(SyncBackend):
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError('CollectiveBackend: num_workers must be a positive int, got %r.'
                              % (num_workers,))
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or
+                                 not 0 <= rank < num_workers):
+            raise ValueError('CollectiveBackend: rank must be an int in [0, num_workers=%d), '
+                             'got %r.' % (num_workers, rank))
         self.timeout = timeout
         self.communication_hint = communication_hint
         self.num_workers = num_workers
+        self.rank = rank
 
     def group_size(self, towers):
         return towers * self.num_workers
 
+    def worker_rank(self):
+        return 0 if self.num_workers == 1 else self.rank
+
     def group_key(self, key):
-        return stable_hash('tf1_syncbn/group/%s/%d' % (device_type(key.device), key.group_size))
+        return stable_hash('tf1_syncbn/group/%s/%d%s' % (device_type(key.device), key.group_size,
+                                                         group_label(key)))
 
     def instance_key(self, key, direction):
+        # Not the group's: a worker's session derives its collectives' step ids
+        # from its graph's instance keys, which must match across workers.
         return stable_hash('tf1_syncbn/instance/%s/%s' % (key.name, direction))
+
+    def all_reduce_workers(self, tensor, key, direction):
+        # The group of every worker's tower of this index (one per worker).
+        return self.all_reduce(tensor, key._replace(group_size=self.num_workers, members=None,
+                                                    group=None), direction)
 
     def check(self, key):
         if key.group_size > 1 and not key.device:
@@ -243,7 +250,9 @@ class CollectiveBackend(SyncBackend):
                 timeout=op_timeout(self.timeout))
 
     def __repr__(self):
-        return 'CollectiveBackend(timeout=%r, num_workers=%d)' % (self.timeout, self.num_workers)
+        rank = ', rank=%d' % self.rank if self.rank is not None else ''
+        return 'CollectiveBackend(timeout=%r, num_workers=%d%s)' % (self.timeout, self.num_workers,
+                                                                    rank)
 
 
 class NcclBackend(SyncBackend):
@@ -268,7 +277,8 @@ class NcclBackend(SyncBackend):
         check_local_gpu(key.layer, key.device, self.name)
 
     def shared_name(self, key, direction):
-        return re.sub(r'[^A-Za-z0-9_./-]', '_', 'tf1_syncbn/%s/%s' % (key.name, direction))
+        return re.sub(r'[^A-Za-z0-9_./-]', '_', 'tf1_syncbn/%s/%s%s' % (key.name, direction,
+                                                                         group_label(key)))
 
     def all_reduce(self, tensor, key, direction):
         from tensorflow.python.ops import gen_nccl_ops  # noqa: PLC0415 - NCCL backend only
@@ -335,15 +345,47 @@ class HorovodBackend(SyncBackend):
     def group_size(self, towers):
         return self._hvd.size() * towers
 
+    def worker_rank(self):
+        return self._hvd.rank()
+
+    def check_groups(self, layer, groups, towers):
+        """Raises ``ValueError`` for sync groups that span Horovod processes.
+
+        Groups within one process are collectives among its towers (no
+        Horovod op); groups across processes would need Horovod process sets,
+        which must be registered when ``hvd.init`` runs, before the graph.
+        """
+        for members in groups:
+            if len({m // towers for m in members}) > 1:
+                raise ValueError(
+                    "%s: sync_statistics='horovod' cannot synchronize the group of towers %s: "
+                    'it spans Horovod processes (%d towers per process), and a group across '
+                    'processes would need a Horovod process set, which hvd.init must register '
+                    'before any graph is built. Use a group_size that divides the %d towers '
+                    'of each process (each group is then a collective among its towers), '
+                    'or run the workers with tf1_syncbn.distributed and CollectiveBackend, '
+                    'whose groups may span workers.'
+                    % (layer, list(members), towers, towers))
+
     def towers(self, key):
         """The number of towers per process in ``key``'s group."""
         return key.group_size // self._hvd.size()
 
     def check(self, key):
-        if self.towers(key) > 1:
+        if key.members is not None:
+            self._local.check(key)
+        elif self.towers(key) > 1:
             self._local.check(key._replace(group_size=self.towers(key)))
 
+    def all_reduce_workers(self, tensor, key, direction):
+        name = re.sub(r'[^A-Za-z0-9_.-]', '_', 'tf1_syncbn.%s.%s' % (key.name, direction))
+        with tf.device(key.device):
+            return self._hvd.allreduce(tensor, op=self._hvd.Sum, name=name)
+
     def all_reduce(self, tensor, key, direction):
+        if key.members is not None:     # a group within this process (check_groups)
+            return self._local.all_reduce(tensor, key._replace(name='horovod/' + key.name),
+                                          direction)
         towers = self.towers(key)
         if towers > 1:
             local = key._replace(name='horovod/' + key.name, group_size=towers)
@@ -351,29 +393,6 @@ class HorovodBackend(SyncBackend):
         name = re.sub(r'[^A-Za-z0-9_.-]', '_', 'tf1_syncbn.%s.%s' % (key.name, direction))
         with tf.device(key.device):
             return self._hvd.allreduce(tensor, op=self._hvd.Sum, name=name)
-
-
-def stall_shutdown_seconds(environ=None):
-    """Seconds after which Horovod's stall inspector shuts a stalled job down (0: never).
-
-    Read from the environment as Horovod reads it at ``hvd.init()`` (C
-    ``strtol``): ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``, 0 when unset, when
-    ``HOROVOD_STALL_CHECK_DISABLE`` is a positive number, or when it is below
-    ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (default 60), where Horovod ignores it.
-    """
-    environ = os.environ if environ is None else environ
-
-    def number(name, default):
-        if name not in environ:
-            return default
-        match = re.match(r'\s*([+-]?[0-9]+)', environ[name])
-        return int(match.group(1)) if match else 0
-
-    if number('HOROVOD_STALL_CHECK_DISABLE', 0) > 0:
-        return 0
-    shutdown = number('HOROVOD_STALL_SHUTDOWN_TIME_SECONDS', 0)
-    return shutdown if shutdown > 0 and shutdown >= number('HOROVOD_STALL_CHECK_TIME_SECONDS',
-                                                            60) else 0
 
 
 _BY_NAME = {

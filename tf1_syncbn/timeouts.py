@@ -19,10 +19,11 @@ import contextlib
 import math
 import numbers
 import os
+import re
 import threading
 
 __all__ = ['DEFAULT_TIMEOUT', 'MAX_TIMEOUT', 'validate_timeout', 'timeout_from_environment',
-           'watched', 'op_timeout']
+           'watched', 'op_timeout', 'stall_shutdown_seconds']
 
 #: The largest finite timeout, in seconds (about 31.7 years); larger ones are clamped.
 MAX_TIMEOUT = 1e9
@@ -110,3 +111,26 @@ def op_timeout(timeout):
     when a timeout was asked for.
     """
     return 0.0 if getattr(_LOCAL, 'watched', False) else timeout
+
+
+def stall_shutdown_seconds(environ=None):
+    """Seconds after which Horovod's stall inspector shuts a stalled job down (0: never).
+
+    Read from the environment as Horovod reads it at ``hvd.init()`` (C
+    ``strtol``): ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``, 0 when unset, when
+    ``HOROVOD_STALL_CHECK_DISABLE`` is a positive number, or when it is below
+    ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (default 60), where Horovod ignores it.
+    """
+    environ = os.environ if environ is None else environ
+
+    def number(name, default):
+        if name not in environ:
+            return default
+        match = re.match(r'\s*([+-]?[0-9]+)', environ[name])
+        return int(match.group(1)) if match else 0
+
+    if number('HOROVOD_STALL_CHECK_DISABLE', 0) > 0:
+        return 0
+    shutdown = number('HOROVOD_STALL_SHUTDOWN_TIME_SECONDS', 0)
+    return shutdown if shutdown > 0 and shutdown >= number('HOROVOD_STALL_CHECK_TIME_SECONDS',
+                                                            60) else 0
