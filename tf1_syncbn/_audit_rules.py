@@ -172,18 +172,20 @@ def _sync_problems(key, computation, towers, synced_towers, sizes, backends):
         return []
     listed = report_lib.format_towers(towers)
     if not synced_towers:
+        layers = ('tf1_syncbn.sync_batch_norm as the normalizer_fn (slim; '
+                  'tf_slim.nets built inside tf1_syncbn.sync_arg_scope()), '
+                  'tf1_syncbn.patch_tf_layers() or tf1_syncbn.layers (tf.layers), '
+                  'tf1_syncbn.keras.patch_keras() (Keras), tf1_syncbn.BatchNorm or '
+                  'tf1_syncbn.patch_tensorpack() (tensorpack)')
         if computation == 'tf1_syncbn':
             fix = ("Pass sync_statistics='auto' (or a backend) instead of None")
         elif computation == 'moments':
-            fix = ('Synchronize it: replace its tf.nn.moments by tf1_syncbn.moments (a batch '
-                   'norm written by hand; docs/hand-written.md), or use one of the '
-                   'library\'s layers')
+            # tf.nn.moments: a batch norm written by hand, or a library's non-fused
+            # layer (tf.layers, slim, Keras with fused=False): the graph cannot tell.
+            fix = ('Synchronize it: written by hand, replace its tf.nn.moments by '
+                   'tf1_syncbn.moments (docs/hand-written.md); a library\'s layer, use ' + layers)
         else:
-            fix = ('Synchronize it: tf1_syncbn.sync_batch_norm as the normalizer_fn (slim; '
-                   'tf_slim.nets built inside tf1_syncbn.sync_arg_scope()), '
-                   'tf1_syncbn.patch_tf_layers() or tf1_syncbn.layers (tf.layers), '
-                   'tf1_syncbn.keras.patch_keras() (Keras), tf1_syncbn.BatchNorm or '
-                   'tf1_syncbn.patch_tensorpack() (tensorpack)')
+            fix = 'Synchronize it: ' + layers
         return ['%s: built in %d towers (%s) but normalizes each tower with its own batch\'s '
                 'statistics (no all-reduce). %s; add num_dev=%d where no tower context gives '
                 'the number of towers (tower_<i> / clone_<i> loops).'
