@@ -194,6 +194,7 @@ test-horovod: horovod kernels
 bench: $(VENV)/.installed kernels
 	$(PY) bench/sync_step.py
 	$(PY) bench/network_step.py
+	$(PY) bench/groups_step.py
 
 # On a machine with NVIDIA GPUs: the GPU tests in both TF behaviours, the
 # self-test and bench/ on GPU towers, in .venv when its TensorFlow sees the

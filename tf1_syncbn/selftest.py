@@ -30,7 +30,10 @@ Usage::
 
     python -m tf1_syncbn.selftest [--towers N] [--backend collective|nccl|auto|all]
                                   [--device auto|cpu|gpu] [--steps K] [--seed S]
-                                  [--tf1-behavior]
+                                  [--group-size G] [--tf1-behavior]
+
+``--group-size G``: sync groups of ``G`` towers, each against its own batch;
+the moving statistics against the first group's (docs/sync-groups.md).
 
 ``--tf1-behavior`` runs the check under ``tf.compat.v1.disable_v2_behavior()``,
 as TF1 scripts do (default: TF2-behaviour graph mode).
@@ -160,7 +163,7 @@ def _batch_sizes(towers, batch_sizes):
     return sizes
 
 
-def _build(spec, devices, shape, decay, epsilon, seed, perturb):
+def _build(spec, devices, shape, decay, epsilon, seed, perturb, group_size=None):
     """The synced towers (one sync_batch_norm each) and the fused reference."""
     towers = len(devices)
     xs, dys, ys, dxs, dgammas, dbetas = [], [], [], [], [], []
@@ -171,7 +174,7 @@ def _build(spec, devices, shape, decay, epsilon, seed, perturb):
         dy = tf1.placeholder(tf.float32, [None] + list(shape), name='dy')
         y = sync_batch_norm(
             x, decay=decay, epsilon=epsilon, center=True, scale=True, sync_statistics=spec,
-            scope='bn', param_initializers={
+            scope='bn', group_size=group_size, param_initializers={
                 'gamma': tf1.random_uniform_initializer(0.5, 1.5, seed=seed + 1),
                 'beta': tf1.random_uniform_initializer(-1.0, 1.0, seed=seed + 2)})
         if perturb and i == towers - 1:
@@ -228,7 +231,7 @@ def _errors(actual, expected, rtol, atol):
 
 def run_check(backend, towers=4, batch_sizes=None, shape=DEFAULT_SHAPE, decay=0.9,
               epsilon=1e-3, steps=5, seed=0, perturb=0.0, device='auto', rtol=1e-4,
-              atol=1e-4):
+              atol=1e-4, group_size=None):
     """Runs the check for one backend and returns a :class:`CheckResult`.
 
     Builds its own graph and session, so it can be called several times in one
@@ -250,6 +253,8 @@ def run_check(backend, towers=4, batch_sizes=None, shape=DEFAULT_SHAPE, decay=0.
       device: ``'auto'``, ``'cpu'`` or ``'gpu'``, see :func:`pick_devices`.
       rtol, atol: a quantity matches when ``|actual - expected| <= atol + rtol
         * |expected|`` element-wise.
+      group_size: None, or sync groups of that many consecutive towers
+        (dividing ``towers``), each against the reference on its own batch.
 
     Returns:
       A :class:`CheckResult`; ``status`` is ``'PASS'``, ``'FAIL'`` or ``'SKIP'``.
@@ -262,6 +267,7 @@ def run_check(backend, towers=4, batch_sizes=None, shape=DEFAULT_SHAPE, decay=0.
                          % (backend, ', '.join(BACKENDS)))
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError('selftest: steps must be a positive int, got %r.' % (steps,))
+    groups = _groups(towers, group_size)
     device_type, devices, config, _ = pick_devices(towers, device)
     sizes = _batch_sizes(towers, batch_sizes)
     spec, resolved, skip = _resolve(backend, device_type, towers)
@@ -277,7 +283,7 @@ def run_check(backend, towers=4, batch_sizes=None, shape=DEFAULT_SHAPE, decay=0.
 
     graph = tf.Graph()
     with graph.as_default():
-        synced, ref = _build(spec, devices, shape, decay, epsilon, seed, perturb)
+        synced, ref = _build(spec, devices, shape, decay, epsilon, seed, perturb, group_size)
         init = tf1.global_variables_initializer()
     report = audit_graph(graph, synced['step'])
     if not report.ok:
@@ -296,8 +302,10 @@ def run_check(backend, towers=4, batch_sizes=None, shape=DEFAULT_SHAPE, decay=0.
             ys, dxs, dgamma, dbeta, _ = sess.run(fetches, feed)
             moving_mean, moving_var = sess.run([synced['variables']['moving_mean'],
                                                 synced['variables']['moving_variance']])
-            expected = sess.run(ref, {ref['x']: x, ref['dy']: dy, ref['gamma']: gamma,
-                                      ref['beta']: beta})
+            expected = [sess.run(ref, {ref['x']: x[bounds[g[0]]:bounds[g[-1] + 1]],
+                                       ref['dy']: dy[bounds[g[0]]:bounds[g[-1] + 1]],
+                                       ref['gamma']: gamma, ref['beta']: beta})
+                        for g in groups]
             times = []
             for _ in range(steps):
                 start = time.perf_counter()
@@ -311,16 +319,30 @@ def run_check(backend, towers=4, batch_sizes=None, shape=DEFAULT_SHAPE, decay=0.
     actual = dict(output=np.concatenate(ys), input_grad=np.concatenate(dxs),
                   gamma_grad=dgamma, beta_grad=dbeta, moving_mean=moving_mean,
                   moving_variance=moving_var)
-    reference = dict(output=expected['y'], input_grad=expected['dx'],
-                     gamma_grad=expected['dgamma'], beta_grad=expected['dbeta'],
-                     moving_mean=(1.0 - decay) * expected['mean'],
-                     moving_variance=decay * 1.0 + (1.0 - decay) * expected['variance'])
+    # Each group against its own batch; the moving statistics follow tower 0's group.
+    reference = dict(output=np.concatenate([e['y'] for e in expected]),
+                     input_grad=np.concatenate([e['dx'] for e in expected]),
+                     gamma_grad=np.sum([e['dgamma'] for e in expected], 0),
+                     beta_grad=np.sum([e['dbeta'] for e in expected], 0),
+                     moving_mean=(1.0 - decay) * expected[0]['mean'],
+                     moving_variance=decay * 1.0 + (1.0 - decay) * expected[0]['variance'])
     errors, failed = _errors(actual, reference, rtol, atol)
     status = 'FAIL' if failed else 'PASS'
     message = ('mismatch in %s (tolerance %g abs + %g rel)' % (', '.join(failed), atol, rtol)
                if failed else '')
     return CheckResult(backend, resolved, towers, devices, sizes, errors, failed,
                        float(np.median(times)), status, message, report)
+
+
+def _groups(towers, group_size):
+    """The sync groups of ``towers`` (lists of consecutive tower indices)."""
+    if group_size is None:
+        return [list(range(towers))]
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or \
+            towers % group_size:
+        raise ValueError('selftest: group_size must be a positive int that divides the %d '
+                         'towers, got %r.' % (towers, group_size))
+    return [list(range(start, start + group_size)) for start in range(0, towers, group_size)]
 
 
 def format_table(results):
@@ -380,18 +402,29 @@ def main(argv=None):
         return 1
     backends = BACKENDS if args.backend == 'all' else (args.backend,)
     sizes = _batch_sizes(towers, None)
+    try:
+        groups = _groups(towers, args.group_size)
+    except ValueError as e:
+        print('selftest: %s' % e, file=sys.stderr)
+        return 1
     print('sync_batch_norm self-test: %d tower(s) on %s (%s), per-tower batches %s '
           '(%d examples), inputs [n, %s], vs tf.nn.fused_batch_norm on the concatenated '
-          'batch. Errors: max abs; tolerance 1e-4 abs + 1e-4 rel.'
+          '%s. Errors: max abs; tolerance 1e-4 abs + 1e-4 rel.'
           % (towers, device_type, ', '.join(devices), sizes, sum(sizes),
-             ', '.join(str(d) for d in DEFAULT_SHAPE)))
+             ', '.join(str(d) for d in DEFAULT_SHAPE),
+             'batch' if len(groups) == 1 else "batch of each group's towers"))
+    if len(groups) > 1:
+        print('sync groups (group_size=%d): %s; the moving statistics follow group 1.'
+              % (args.group_size, ' | '.join(
+                  'group %d: towers %s' % (k + 1, ', '.join(map(str, g)))
+                  for k, g in enumerate(groups))))
     if note:
         print('note: ' + note)
     if device_type == 'CPU':
         from tf1_syncbn import kernels  # noqa: PLC0415 - CPU runs only
         print('CPU kernels: ' + kernels.status())
     results = [run_check(b, towers=towers, steps=args.steps, seed=args.seed,
-                         device=args.device) for b in backends]
+                         device=args.device, group_size=args.group_size) for b in backends]
     print(format_table(results))
     for r in results:
         if r.audit is not None:

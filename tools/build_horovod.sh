@@ -67,6 +67,40 @@ if [ "$current" = 1 ]; then
     exit 0
 fi
 
+# A wheel this script built before, for this TensorFlow and Python, is reused
+# from the cache (the kernels' cache, $TF1_SYNCBN_CACHE or ~/.cache/tf1_syncbn):
+# a fresh clone or a new .venv then installs in seconds instead of building
+# for minutes. The key holds this script's hash, so a changed build or patch
+# builds again; TF1_SYNCBN_HOROVOD_REBUILD=1 always builds.
+PY_TAG=$("$PY" -c 'import sys; print("py%d%d" % sys.version_info[:2])')
+SCRIPT_HASH=$(sha256sum "$0" | cut -c1-12)
+CACHE_ROOT=${TF1_SYNCBN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tf1_syncbn}
+WHEEL_CACHE="$CACHE_ROOT/horovod/$VERSION-tf$TF_VERSION-$PY_TAG-$SCRIPT_HASH"
+
+finish() {  # installs the wheel $1 with its dependencies, checks it, records $2
+    "$PY" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$1" &&
+        "$PY" -m pip install -q --disable-pip-version-check "$1" ||
+        fail "pip could not install $1."
+    "$PY" - "$(record "$2")" <<'PYEOF' || fail "the installed Horovod does not load, or lacks Gloo (see above)."
+import os, sys
+import horovod, horovod.tensorflow as hvd
+print('horovod %s: TensorFlow ops load; gloo_built=%s mpi_built=%s'
+      % (horovod.__version__, hvd.gloo_built(), hvd.mpi_built()))
+assert hvd.gloo_built(), 'Gloo was not built'
+with open(os.path.join(os.path.dirname(horovod.__file__), 'TF1_SYNCBN_BUILD'), 'w') as f:
+    f.write(sys.argv[1] + '\n')
+PYEOF
+    [ -x "$BIN/horovodrun" ] || fail "$BIN/horovodrun was not installed."
+    echo "Installed: $(record "$2")"
+}
+
+CACHED=$(ls "$WHEEL_CACHE"/horovod-*.whl 2>/dev/null | head -1 || true)
+if [ -n "$CACHED" ] && [ -s "$WHEEL_CACHE/PATCHES" ] && [ "${TF1_SYNCBN_HOROVOD_REBUILD:-0}" != 1 ]; then
+    echo "Installing Horovod $VERSION built earlier by this script: $CACHED"
+    finish "$CACHED" "$(cat "$WHEEL_CACHE/PATCHES")"
+    exit 0
+fi
+
 # Tools: a C++17 compiler, make, CMake >= 3.13 and < 4 (CMake 4 refuses
 # Gloo's cmake_minimum_required); pip's cmake wheel when the system has none.
 CXX=${CXX:-c++}
@@ -136,21 +170,15 @@ start=$(date +%s)
 if ! (cd "$SRC" && PATH="$BIN:$PATH" \
         HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
         HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$JOBS" \
-        "$PY" -m pip install -v --disable-pip-version-check --no-build-isolation \
-        --no-cache-dir . >"$LOG" 2>&1); then
+        "$PY" -m pip wheel -v --disable-pip-version-check --no-build-isolation \
+        --no-cache-dir --no-deps -w "$WORK/wheel" . >"$LOG" 2>&1); then
     tail -n 80 "$LOG" >&2
     fail "the build failed (the end of its log is above)."
 fi
-echo "Built and installed in $(( $(date +%s) - start )) s."
-
-"$PY" - "$(record "${PATCHES# }")" <<'PYEOF' || fail "the installed Horovod does not load, or lacks Gloo (see above)."
-import os, sys
-import horovod, horovod.tensorflow as hvd
-print('horovod %s: TensorFlow ops load; gloo_built=%s mpi_built=%s'
-      % (horovod.__version__, hvd.gloo_built(), hvd.mpi_built()))
-assert hvd.gloo_built(), 'Gloo was not built'
-with open(os.path.join(os.path.dirname(horovod.__file__), 'TF1_SYNCBN_BUILD'), 'w') as f:
-    f.write(sys.argv[1] + '\n')
-PYEOF
-[ -x "$BIN/horovodrun" ] || fail "$BIN/horovodrun was not installed."
-echo "Installed: $(record "${PATCHES# }")"
+echo "Built in $(( $(date +%s) - start )) s."
+WHEEL=$(ls "$WORK"/wheel/horovod-*.whl)
+finish "$WHEEL" "${PATCHES# }"
+# Cached only once it installs and loads.
+mkdir -p "$WHEEL_CACHE" && cp "$WHEEL" "$WHEEL_CACHE/" &&
+    echo "${PATCHES# }" >"$WHEEL_CACHE/PATCHES" &&
+    echo "Cached the wheel in $WHEEL_CACHE" || echo "(could not cache the wheel in $WHEEL_CACHE)"

@@ -36,6 +36,7 @@ import pytest
 
 import keras_app_case as app
 import keras_cases
+import suite_scope
 import test_keras_layer
 import tf_behavior
 from legacy_reference import run_reference
@@ -173,9 +174,11 @@ def test_mirrored_strategy_equals_one_device(reference):
                                           err_msg=key)
 
 
-@pytest.mark.skipif(in_child() or tf_behavior.is_v1(),
-                    reason='the tower loop covers the stock kernels; in TF1 behaviour the '
-                    "tower loop's and tensorpack's controls run (time budget of the pass)")
+@pytest.mark.skipif(in_child() or tf_behavior.is_v1() or not suite_scope.full(),
+                    reason="make test-full's: the tower loop's control "
+                    '(test_tower_loop_without_the_patch_is_per_tower) shows that the '
+                    'comparison with the reference fails on per-tower statistics; this one '
+                    'shows the same under MirroredStrategy (CI time budget)')
 def test_mirrored_strategy_without_the_patch_is_per_replica(reference):
     assert_per_tower(app.train(SIZES, 'mirrored'), reference)
 

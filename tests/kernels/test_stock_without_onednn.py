@@ -11,30 +11,49 @@ each module's test names every failing case of it with its error. (The parity
 modules run their own child, which reuses their reference results.)
 """
 
-import importlib
+import importlib.util
+import os
+import sys
 
 import pytest
 
 import tf_behavior
 from without_onednn import ChildRun, count_kernel_cases
 
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The TF1-behaviour pass (tf_behavior.pick): exactness (every path) and formats (every
 # rank and layout: Dimension shapes); the parity modules run their own stock child.
-MODULES = tf_behavior.pick(['test_sync_exactness', 'test_sync_numerics', 'test_sync_formats',
-                            'test_harness_name_scopes'],
-                           ['test_sync_exactness', 'test_sync_formats'])
+MODULES = tf_behavior.pick(['compute/test_exactness.py', 'compute/test_numerics.py',
+                            'compute/test_formats.py', 'tower/test_tower_name_scopes.py',
+                            'sync/test_sync_groups.py'],
+                           ['compute/test_exactness.py', 'compute/test_formats.py'])
+
+
+def _module(path):
+    """The test module at ``path`` (under tests/), imported under its file's name as pytest does."""
+    name = os.path.splitext(os.path.basename(path))[0]
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(TESTS, path))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
 
 
 @pytest.fixture(scope='module')
 def child(tmp_path_factory):
     """One child run over every module (one interpreter start for all)."""
-    files = [importlib.import_module(name).__file__ for name in MODULES]
+    files = [_module(path).__file__ for path in MODULES]
     return ChildRun(files, tmp_path_factory.mktemp('stock_without_onednn'))
 
 
 @pytest.mark.parametrize('name', MODULES)
 def test_stock_kernels_without_onednn(name, child):
-    module = importlib.import_module(name)
+    module = _module(name)
     expected = count_kernel_cases(module)
     assert expected > 0, '%s has no test on both kernel sets' % name
     child.check(module.__file__, expected)

@@ -109,9 +109,13 @@ PRODUCT = [(fused, rank, fmt) for fused in (None, True, False) for rank in (2, 3
 COVERING = [(None, 2, 'NHWC'), (None, 3, 'NCHW'), (None, 4, 'NCHW'), (None, 5, 'NHWC'),
             (True, 2, 'NCHW'), (True, 3, 'NHWC'), (True, 4, 'NHWC'), (True, 5, 'NCHW'),
             (False, 2, 'NHWC'), (False, 3, 'NCHW'), (False, 4, 'NHWC'), (False, 5, 'NCHW')]
-CASES = [_case('fused=%s-rank%d-%s' % (fused, rank, fmt), rank, fmt, kwargs={'fused': fused})
-         for fused, rank, fmt in suite_scope.covering(PRODUCT, COVERING)]
-CASES += [
+
+
+def _product_case(fused, rank, fmt):
+    return _case('fused=%s-rank%d-%s' % (fused, rank, fmt), rank, fmt, kwargs={'fused': fused})
+
+
+OPTION_CASES = [
     # Options that no fused kernel computes: slim's non-fused paths (biased variance).
     _case('adjustment-rank4', adjustment=True),
     _case('adjustment-rank2-fused=True', 2, adjustment=True, kwargs={'fused': True}),
@@ -203,8 +207,9 @@ V1_NAMES = ('fused=None-rank2-NHWC', 'fused=None-rank3-NCHW', 'fused=None-rank4-
             'partitioned-rank4', 'partitioned-rank3-updates=None', 'decay_tensor-rank4',
             'tiny_variance-rank4', 'float16-rank4', 'bfloat16-rank4-NCHW', 'mean1e4-rank4',
             'training_tensor-rank4', 'training_tensor-rank3', 'no_center_no_scale-rank4')
-#: Every case, whichever the behaviour (the Horovod suite picks its own).
-ALL_CASES = CASES
+#: Every case, whichever the behaviour and the scope (the Horovod suite picks its own).
+ALL_CASES = [_product_case(*key) for key in PRODUCT] + OPTION_CASES
+CASES = [_product_case(*key) for key in suite_scope.covering(PRODUCT, COVERING)] + OPTION_CASES
 CASES = tf_behavior.pick(CASES, [c for c in CASES if c['name'] in V1_NAMES])
 NAMES = [c['name'] for c in CASES]
 assert len(set(NAMES)) == len(NAMES)

@@ -55,6 +55,10 @@ def selftest_parser():
     parser.add_argument('--steps', type=int, default=10,
                         help='timed training steps per backend (default 10)')
     parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--group-size', type=int, default=None, metavar='G',
+                        help='synchronize within groups of G consecutive towers (the layers\' '
+                             'group_size; each group against fused batch norm on its own '
+                             'batch; default: one group of every tower)')
     parser.add_argument('--tf1-behavior', action='store_true',
                         help='check under tf.compat.v1.disable_v2_behavior() (TF1 behaviour: '
                              'reference variables, v1 control flow), as TF1 scripts run; '

@@ -99,10 +99,12 @@ def _batch_norm(x, layout, options, params, batch_weights, updates_collections, 
     elif training is True:
         y, stats = _normalize.train(x, layout, options, params, plan, weights)
         if do_update:
+            stats = _main_group(plan, stats)
             updates = _updates.update_ops(options, params, stats, finetune_step)
     else:
         y, stats = _switch(x, layout, options, params, plan, weights, training)
         if do_update:
+            stats = _main_group(plan, stats)
             # In inference the count is 0: the updates leave everything as it is
             # (and, as the statistics come from the branch taken, wait for nothing).
             updates = _updates.update_ops(options, params, stats, finetune_step)
@@ -120,6 +122,20 @@ def _batch_norm(x, layout, options, params, batch_weights, updates_collections, 
     # What tf1_syncbn.export needs to replace this call by an inference op (no op built).
     _inference_records.record(x, y, layout, options, params)
     return y
+
+
+def _main_group(plan, stats):
+    """The statistics the moving averages take: those of worker 0's main tower's sync group.
+
+    See :meth:`tf1_syncbn._sync.plan.SyncPlan.main_group_statistics` (nothing
+    changes without sync groups, or in one process).
+    """
+    if plan is None:
+        return stats
+    renorm = tuple(stats.renorm or ())
+    out = plan.main_group_statistics((stats.mean, stats.variance, stats.count) + renorm)
+    return stats._replace(mean=out[0], variance=out[1], count=out[2],
+                          renorm=tuple(out[3:]) if stats.renorm is not None else None)
 
 
 def _switch(x, layout, options, params, plan, weights, training):

@@ -40,7 +40,7 @@ _SHAPES_SLOT = 'tf1_syncbn.moments_shapes'
 
 @tf.autograph.experimental.do_not_convert     # (see tf1_syncbn._core)
 def moments(x, axes, shift=None, keepdims=None, name=None, keep_dims=None, *,
-            sync_statistics='auto', num_dev=None):
+            sync_statistics='auto', num_dev=None, group_size=None):
     """``tf.nn.moments``, with the mean and variance of the global batch over the towers.
 
     The same arguments and return values as ``tf.nn.moments`` (and
@@ -78,6 +78,9 @@ def moments(x, axes, shift=None, keepdims=None, name=None, keep_dims=None, *,
         :class:`tf1_syncbn.SyncBackend`.
       num_dev: the number of towers, for ``tower_<i>`` / ``clone_<i>`` name
         scopes without a tower context.
+      group_size: None (over every tower), or the statistics of each group of
+        that many consecutive global towers, or explicit groups (lists of
+        global tower indices); as for :func:`tf1_syncbn.sync_batch_norm`.
 
     Returns:
       ``(mean, variance)`` in the dtype of ``x`` (statistics computed in
@@ -96,12 +99,12 @@ def moments(x, axes, shift=None, keepdims=None, name=None, keep_dims=None, *,
     (docs/timeouts.md).
     """
     return _sync_moments('moments', x, axes, None, _keepdims(keepdims, keep_dims), name,
-                         sync_statistics, num_dev)
+                         sync_statistics, num_dev, group_size)
 
 
 @tf.autograph.experimental.do_not_convert     # (see tf1_syncbn._core)
 def weighted_moments(x, axes, frequency_weights, keepdims=None, name=None, keep_dims=None, *,
-                     sync_statistics='auto', num_dev=None):
+                     sync_statistics='auto', num_dev=None, group_size=None):
     """``tf.nn.weighted_moments``, over the global batch of the towers.
 
     As :func:`moments`, with ``frequency_weights`` (each tower's, broadcastable
@@ -111,7 +114,7 @@ def weighted_moments(x, axes, frequency_weights, keepdims=None, name=None, keep_
     reach every tower's input and weights.
 
     Args:
-      x, axes, keepdims, name, keep_dims, sync_statistics, num_dev: as for
+      x, axes, keepdims, name, keep_dims, sync_statistics, num_dev, group_size: as for
         :func:`moments` (the default name is ``'weighted_moments'``).
       frequency_weights: a tensor broadcastable to ``x``.
 
@@ -124,7 +127,8 @@ def weighted_moments(x, axes, frequency_weights, keepdims=None, name=None, keep_
     Hangs: as :func:`moments`.
     """
     return _sync_moments('weighted_moments', x, axes, frequency_weights,
-                         _keepdims(keepdims, keep_dims), name, sync_statistics, num_dev)
+                         _keepdims(keepdims, keep_dims), name, sync_statistics, num_dev,
+                         group_size)
 
 
 def _keepdims(keepdims, keep_dims):
@@ -144,7 +148,8 @@ def _check_axes(label, axes, rank):
     return normalized
 
 
-def _sync_moments(kind, x, axes, weights, keepdims, name, sync_statistics, num_dev):
+def _sync_moments(kind, x, axes, weights, keepdims, name, sync_statistics, num_dev,
+                  group_size=None):
     check_graph_mode('tf1_syncbn.%s' % kind)
     with tf1.name_scope(name, kind, [x] + ([weights] if weights is not None else [])), \
             outside_xla_clusters():
@@ -162,7 +167,7 @@ def _sync_moments(kind, x, axes, weights, keepdims, name, sync_statistics, num_d
         plan = None
         if 0 in axes:
             options = check_options(label, is_training=True, num_dev=num_dev,
-                                    sync_statistics=sync_statistics)
+                                    sync_statistics=sync_statistics, group_size=group_size)
             # The variable scope names the call for the towers (it creates nothing).
             with tf1.variable_scope(name or kind, auxiliary_name_scope=False):
                 plan = plan_sync(options, find_group(options))

@@ -31,7 +31,7 @@ _RENORM_CLIPPING_KEYS = ('rmax', 'rmin', 'dmax')
 _FIELDS = ['layer', 'arg_names', 'data_format', 'axis', 'is_training', 'momentum', 'epsilon',
            'center', 'scale', 'fused', 'renorm', 'renorm_clipping', 'renorm_momentum',
            'adjustment', 'num_dev', 'sync_statistics', 'zero_debias', 'virtual_batch_size',
-           'virtual_batch_style', 'unbiased_variance', 'float32_decay']
+           'virtual_batch_style', 'unbiased_variance', 'float32_decay', 'group_size']
 
 
 class Options(collections.namedtuple('Options', _FIELDS)):
@@ -49,6 +49,10 @@ class Options(collections.namedtuple('Options', _FIELDS)):
       float32_decay: the replaced layer computes ``1 - decay`` in float32.
       virtual_batch_style: ``'runs'`` (tensorpack's ghost batches) or
         ``'strided'`` (tf.layers'); see :func:`tf1_syncbn._core.normalize.train`.
+      group_size: None (every tower of every worker synchronizes), a positive
+        int (consecutive global towers in groups of that size), or explicit
+        groups as a tuple of tuples of global tower indices; see
+        :func:`tf1_syncbn._sync.group.sync_groups`.
       The rest: as the layers' arguments of the same names.
     """
 
@@ -152,8 +156,11 @@ def check_options(layer, arg_names=None, data_format='NHWC', axis=None, is_train
                   momentum=0.99, epsilon=1e-3, center=True, scale=True, fused=None,
                   renorm=False, renorm_clipping=None, renorm_momentum=0.99, adjustment=None,
                   num_dev=None, sync_statistics=None, zero_debias=False,
-                  virtual_batch_size=None, virtual_batch_style='runs'):
+                  virtual_batch_size=None, virtual_batch_style='runs', group_size=None):
     """Checks the options that do not depend on the input; returns :class:`Options`.
+
+    ``group_size`` is checked for its type here; against the number of towers
+    where the group is known (:func:`tf1_syncbn._sync.group.sync_groups`).
 
     Raises:
       ValueError, TypeError: naming the layer and the argument as spelled.
@@ -161,7 +168,8 @@ def check_options(layer, arg_names=None, data_format='NHWC', axis=None, is_train
     options = Options(layer, tuple(sorted((arg_names or {}).items())), data_format, axis,
                       is_training, momentum, epsilon, center, scale, fused, renorm,
                       renorm_clipping, renorm_momentum, adjustment, num_dev, sync_statistics,
-                      zero_debias, virtual_batch_size, virtual_batch_style, True, False)
+                      zero_debias, virtual_batch_size, virtual_batch_style, True, False,
+                      None)
     if data_format not in _FORMATS:
         raise options.error('unknown data_format %r; use one of %s.'
                             % (data_format, sorted(_FORMATS)))
@@ -199,6 +207,7 @@ def check_options(layer, arg_names=None, data_format='NHWC', axis=None, is_train
                                     % (options.arg('virtual_batch_size'), option))
     _check_sync_statistics(options, sync_statistics)
     return options._replace(
+        group_size=_check_group_size(options, group_size),
         momentum=_check_decay(options, 'momentum', momentum),
         renorm_momentum=_check_decay(options, 'renorm_momentum', renorm_momentum),
         renorm_clipping=renorm_clipping or {})
@@ -294,6 +303,44 @@ def _check_sync_statistics(options, spec):
     if isinstance(spec, str) and spec.lower() not in backends.VALID_NAMES:
         raise options.error('unknown %s=%r; use one of %s or a SyncBackend.'
                             % (options.arg('sync_statistics'), spec, backends.VALID_NAMES))
+
+
+def _check_group_size(options, spec):
+    """``group_size``: None, a positive int, or explicit groups (as a tuple of tuples).
+
+    Explicit groups are lists of global tower indices (worker ``w``'s tower
+    ``t`` is ``w * towers_per_worker + t``), each index in exactly one group;
+    whether they cover every tower is checked where the towers are known.
+    """
+    name = options.arg('group_size')
+    if spec is None:
+        return None
+    if isinstance(spec, numbers.Integral) and not isinstance(spec, bool):
+        if spec < 1:
+            raise options.error('%s must be a positive int, got %r.' % (name, spec))
+        return int(spec)
+    if isinstance(spec, (str, bytes)) or not isinstance(spec, (list, tuple)) or not spec:
+        raise options.error(
+            '%s must be None, a positive int (towers per group) or a non-empty list of lists '
+            'of global tower indices, got %r.' % (name, spec), TypeError)
+    groups, seen = [], set()
+    for members in spec:
+        if isinstance(members, (str, bytes)) or not isinstance(members, (list, tuple)) or \
+                not members or any(isinstance(i, bool) or not isinstance(i, numbers.Integral)
+                                   or i < 0 for i in members):
+            raise options.error(
+                '%s: every group must be a non-empty list of global tower indices (ints >= '
+                '0), got %r in %r.' % (name, members, spec), TypeError)
+        twice = sorted(seen.intersection(members)) or sorted(
+            i for i in set(members) if list(members).count(i) > 1)
+        if twice:
+            raise options.error('%s=%r puts tower%s %s in more than one group; each tower '
+                                'belongs to exactly one group.'
+                                % (name, spec, 's' if len(twice) > 1 else '',
+                                   ', '.join(map(str, twice))))
+        seen.update(members)
+        groups.append(tuple(sorted(int(i) for i in members)))
+    return tuple(groups)
 
 
 def _check_number(options, name, value, low, high):

@@ -60,7 +60,7 @@ def checked_batch(options, plan, x4):
     """
     static = tf.compat.dimension_value(x4.shape[0])
     table = get_graph_state().slot(_SLOT, dict)
-    first = table.setdefault(plan.key.name, (plan.tower, static))
+    first = table.setdefault((plan.key.name, plan.key.group), (plan.tower, static))
     first_tower, first_static = first
     vbs = options.virtual_batch_size
     name = options.arg('virtual_batch_size')
@@ -91,20 +91,22 @@ def checked_batch(options, plan, x4):
 
 def _all_reduced_check(options, plan, x4):
     """Every member's batch size, all-reduced, asserted equal before the ghost all-reduce."""
-    towers = max(plan.group_size, plan.tower + 1)
+    towers = max(plan.group_size, plan.member + 1)
     batch = tf.cast(tf.shape(x4)[0], tf.float64)
-    slots = tf.one_hot(plan.tower, towers, dtype=tf.float64) * batch
+    slots = tf.one_hot(plan.member, towers, dtype=tf.float64) * batch
     packed = tf.concat([tf.stack([tf.ones([], tf.float64), batch, batch * batch]), slots], 0)
     summed = plan.all_reduce(packed, 'ghost_batches')
     members, total, squares = summed[0], summed[1], summed[2]
     # Equal sizes iff their variance is zero (exact: integers in float64).
     same = tf.equal(members * squares, total * total)
     name = options.arg('virtual_batch_size')
+    listed = ('by tower index (summed over workers)' if plan.sync_group is None else
+              'by member of sync %s' % plan.sync_group.label())
     check = tf.debugging.Assert(
         same, ['%s: %s=%d needs the same batch size in every tower of the sync group (virtual '
                'batch k spans the k-th run of each), but the towers\' batch sizes differ in '
-               'this step; by tower index (summed over workers):'
-               % (options.layer, name, options.virtual_batch_size), summed[3:],
+               'this step; %s:' % (options.layer, name, options.virtual_batch_size, listed),
+               summed[3:],
                '%s %s' % (_fix(options), _RESTART)],
         summarize=towers, name='check_ghost_batches')
     with tf.control_dependencies([check]):

@@ -26,7 +26,7 @@ from tower.graph_state import full_name_scope, get_graph_state
 tf1 = tf.compat.v1
 
 __all__ = ['Group', 'find_group', 'choose_backend', 'check_untowered_copies',
-           'canonical_device', 'current_device']
+           'canonical_device', 'current_device', 'SyncGroup', 'sync_groups', 'find_sync_group']
 
 
 class Group(collections.namedtuple('Group', ['ctx', 'index', 'towers', 'main', 'call',
@@ -126,6 +126,137 @@ def find_group(options, prediction_towers_update=False):
         else '%s:inference' % base
     return Group(ctx, index, towers, main, call, workers,
                  bool(getattr(ctx, 'replicated_updates', False)))
+
+
+class SyncGroup(collections.namedtuple('SyncGroup', ['groups', 'index', 'towers', 'workers',
+                                                     'rank', 'tower'])):
+    """This member's sync group, when ``group_size`` splits the towers into several.
+
+    Towers are numbered globally: worker ``w``'s tower ``t`` is
+    ``w * towers + t``, as PyTorch ranks and TPU shards are.
+
+    Attributes:
+      groups: every group, a tuple of sorted tuples of global tower indices.
+      index: this member's group (0-based; messages count from 1).
+      towers: towers per worker in this graph.
+      workers: the workers the towers span.
+      rank: this worker's rank.
+      tower: this member's tower index in its graph.
+    """
+
+    @property
+    def members(self):
+        """The global tower indices of this member's group."""
+        return self.groups[self.index]
+
+    @property
+    def position(self):
+        """This member's position in its group (0 to ``len(members) - 1``)."""
+        return self.members.index(self.rank * self.towers + self.tower)
+
+    def label(self, index=None):
+        """``'group 2 of 4 (towers 2, 3)'`` for group ``index`` (default: this member's)."""
+        index = self.index if index is None else index
+        members = self.groups[index]
+        return 'group %d of %d (%s %s)' % (
+            index + 1, len(self.groups), 'tower' if len(members) == 1 else
+            'global towers' if self.workers > 1 else 'towers', ', '.join(map(str, members)))
+
+    def local_labels(self):
+        """``{tower index in this graph: label of its group}``."""
+        group_of = {m: g for g, members in enumerate(self.groups) for m in members}
+        return {t: self.label(group_of[self.rank * self.towers + t])
+                for t in range(self.towers)}
+
+    def main_needs_worker0(self):
+        """Whether some worker's main tower (this member's tower index) is outside worker 0's
+        main tower's group: its moving statistics then come from worker 0's group.
+        """
+        group_of = {m: g for g, members in enumerate(self.groups) for m in members}
+        return len({group_of[w * self.towers + self.tower] for w in range(self.workers)}) > 1
+
+
+def sync_groups(options, towers, workers):
+    """The sync groups of ``towers * workers`` global towers, from ``options.group_size``.
+
+    Args:
+      options: the call's :class:`~tf1_syncbn._core.options.Options`.
+      towers: towers per worker.
+      workers: the number of workers.
+
+    Returns:
+      A tuple of sorted tuples of global tower indices, one per group.
+
+    Raises:
+      ValueError: an int ``group_size`` that does not divide the towers, or
+        explicit groups that do not cover every tower once.
+    """
+    spec, name, total = options.group_size, options.arg('group_size'), towers * workers
+    where = ('%d towers' % total if workers == 1 else
+             '%d towers (%d per worker x %d workers)' % (total, towers, workers))
+    if spec is None:
+        return (tuple(range(total)),)
+    if isinstance(spec, int):
+        if total % spec:
+            raise options.error(
+                '%s=%d does not divide the %s of its sync group: groups are consecutive global '
+                "towers (worker w's tower t is w * %d + t), %d in each. Pass a %s that divides "
+                '%d (one of %s; %d synchronizes every tower), or explicit groups (a list of '
+                'lists of global tower indices).'
+                % (name, spec, where, towers, spec, name, total,
+                   ', '.join(str(d) for d in range(1, total + 1) if total % d == 0), total))
+        return tuple(tuple(range(start, start + spec)) for start in range(0, total, spec))
+    covered = sorted(m for members in spec for m in members)
+    if covered != list(range(total)):
+        unknown = sorted(set(covered) - set(range(total)))
+        missing = sorted(set(range(total)) - set(covered))
+        raise options.error(
+            '%s=%r must put each of the %s (global indices 0 to %d) in exactly one group%s%s.'
+            % (name, [list(m) for m in spec], where, total - 1,
+               '; no group holds %s' % ', '.join(map(str, missing)) if missing else '',
+               '; there is no tower %s' % ', '.join(map(str, unknown)) if unknown else ''))
+    return tuple(sorted(spec))
+
+
+def find_sync_group(options, group, backend):
+    """This member's :class:`SyncGroup`, or None when its group is every tower of every worker.
+
+    Raises:
+      ValueError: see :func:`sync_groups`; and a group across workers whose
+        rank the backend does not know, a backend that cannot build the
+        groups (Horovod across processes), or a ``tf.distribute`` strategy.
+    """
+    if options.group_size is None:
+        return None
+    total = backend.group_size(group.towers)
+    workers = max(total // group.towers, 1)
+    groups = sync_groups(options, group.towers, workers)
+    if len(groups) == 1:
+        return None
+    if group.replicated_updates and group.workers > 1:
+        # One worker: the strategy keeps replica 0's updates (ONLY_FIRST_REPLICA),
+        # so the moving statistics follow replica 0's group, as the rule says.
+        raise options.error(
+            '%s=%r under %r: sync groups are not supported with multi-worker tf.distribute '
+            "strategies, whose workers each keep their first replica's moving statistics. "
+            'Leave %s unset (every replica synchronizes), or run the workers with '
+            'tf1_syncbn.distributed and tower.call_for_each_tower, where groups span workers.'
+            % (options.arg('group_size'), options.group_size, group.ctx,
+               options.arg('group_size')))
+    rank = backend.worker_rank()
+    if rank is None:
+        raise options.error(
+            '%s=%r with %r: sync groups number the towers of every worker globally (worker '
+            "w's tower t is w * %d + t), which needs this worker's rank. Pass "
+            'CollectiveBackend(num_workers=%d, rank=<this worker\'s rank>), or cluster.backend() '
+            'from tf1_syncbn.distributed.'
+            % (options.arg('group_size'), options.group_size, backend, group.towers, workers))
+    check = getattr(backend, 'check_groups', None)
+    if check is not None:
+        check(options.layer, groups, group.towers)
+    me = rank * group.towers + group.index
+    index = [g for g, members in enumerate(groups) if me in members][0]
+    return SyncGroup(groups, index, group.towers, workers, rank, group.index)
 
 
 def _is_auto(spec):

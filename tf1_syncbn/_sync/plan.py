@@ -19,7 +19,7 @@ from tf1_syncbn import timeouts
 from tf1_syncbn._sync import guards as _guards
 from tf1_syncbn._sync.control_flow import enclosing_while_loop
 from tf1_syncbn._compute.gradients import raw_collectives
-from tf1_syncbn._sync.group import choose_backend, current_device
+from tf1_syncbn._sync.group import choose_backend, current_device, find_sync_group, sync_groups
 from tf1_syncbn._sync.registry import get_registry
 from tf1_syncbn.backends import SyncKey
 from tower import TowerContext
@@ -29,7 +29,7 @@ __all__ = ['SyncPlan', 'plan_sync', 'backward_direction']
 
 class SyncPlan(collections.namedtuple('SyncPlan',
                                       ['backend', 'key', 'guards', 'watched', 'backward_builds',
-                                       'tower'])):
+                                       'tower', 'sync_group'], defaults=(None,))):
     """How one call synchronizes (frozen).
 
     Attributes:
@@ -42,12 +42,19 @@ class SyncPlan(collections.namedtuple('SyncPlan',
       backward_builds: counts this member's backward all-reduces
         (:func:`backward_direction`).
       tower: this member's tower index in its graph (for messages and checks).
+      sync_group: this member's :class:`~tf1_syncbn._sync.group.SyncGroup` when
+        ``group_size`` splits the towers, else None (every tower).
     """
 
     @property
     def group_size(self):
         """The number of all-reduce members."""
         return self.key.group_size
+
+    @property
+    def member(self):
+        """This member's position in its group (with every tower: its tower index)."""
+        return self.tower if self.sync_group is None else self.sync_group.position
 
     @property
     def device(self):
@@ -71,9 +78,46 @@ class SyncPlan(collections.namedtuple('SyncPlan',
         """
         if direction == 'backward':
             direction = backward_direction(next(self.backward_builds))
+        if self.group_size == 1:        # group_size=1 across workers: this tower alone
+            return tf.identity(tensor)
         with tf.control_dependencies(self.guards), timeouts.watched(self.watched), \
                 raw_collectives():
             return self.backend.all_reduce(tensor, self.key, direction)
+
+    def main_group_statistics(self, tensors):
+        """The moving-average inputs ``tensors`` as worker 0's main tower computes them.
+
+        The moving statistics follow the group of worker 0's main training
+        tower (global tower 0, as PyTorch's rank 0 and TPU's replica 0). In
+        one process the main tower is in that group. Across workers whose
+        main towers are in other groups, every worker's main tower takes
+        worker 0's values, so the workers' variables stay identical: one
+        all-reduce among the workers' main towers of the values, which only
+        worker 0 contributes (exact: the others add zeros).
+
+        Args:
+          tensors: float32 tensors of this main tower's statistics.
+
+        Returns:
+          The tensors (unchanged when no worker needs them from worker 0).
+
+        Hangs: waits for every worker's main tower, as the step's other
+          all-reduces (same guards and timeout).
+        """
+        if self.sync_group is None or not self.sync_group.main_needs_worker0():
+            return list(tensors)
+        shapes = [tf.shape(t) for t in tensors]
+        sizes = [tf.size(t) for t in tensors]
+        packed = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors], 0)
+        if self.sync_group.rank != 0:
+            packed = tf.zeros_like(packed)
+        # (The audit tells this all-reduce from the group's by the name scope.)
+        with tf.control_dependencies(self.guards), timeouts.watched(self.watched), \
+                raw_collectives(), tf.name_scope('main_group_statistics'):
+            summed = self.backend.all_reduce_workers(packed, self.key, 'main-statistics')
+        parts = tf.split(summed, tf.stack(sizes), num=len(tensors))
+        return [tf.cast(tf.reshape(p, shape), t.dtype)
+                for p, shape, t in zip(parts, shapes, tensors)]
 
 
 def backward_direction(build):
@@ -119,9 +163,13 @@ def plan_sync(options, group):
     device = current_device()
     backend = choose_backend(options, group, device)
     if backend is None:
+        if options.group_size is not None and group.towers is not None:
+            sync_groups(options, group.towers, group.workers)   # refuses a size that does not fit
         return None
-    group_size = backend.group_size(group.towers)
-    if group_size == 1:
+    sync_group = find_sync_group(options, group, backend)
+    group_size = backend.group_size(group.towers) if sync_group is None else \
+        len(sync_group.members)
+    if group_size == 1 and (sync_group is None or not sync_group.main_needs_worker0()):
         return None
     loop = enclosing_while_loop()
     if loop is not None:
@@ -133,10 +181,13 @@ def plan_sync(options, group):
             'loop, or pass %s=None for per-tower statistics inside it.'
             % (loop, options.arg('sync_statistics')))
     key = SyncKey(name=group.call, layer=tf.compat.v1.get_variable_scope().name,
-                  group_size=group_size, device=device)
+                  group_size=group_size, device=device,
+                  members=None if sync_group is None else sync_group.members,
+                  group=None if sync_group is None else sync_group.index)
     backend.check(key)
     get_registry().register(key, group.index, group.towers, backend,
-                            track=isinstance(group.ctx, TowerContext))
+                            track=isinstance(group.ctx, TowerContext),
+                            labels=None if sync_group is None else sync_group.local_labels())
     guards, watched = _guards.step_guards(device, backend.step_timeout())
-    return SyncPlan(backend, key, guards, watched, itertools.count(), group.index)
+    return SyncPlan(backend, key, guards, watched, itertools.count(), group.index, sync_group)
 

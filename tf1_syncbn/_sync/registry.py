@@ -44,6 +44,7 @@ class CallRegistry(object):
         self._call_counts = collections.defaultdict(int)  # (towers, tower, base) -> calls
         self._members = {}          # call name -> {tower index: _Member}
         self._totals = {}           # call name -> number of towers expected
+        self._labels = {}           # call name -> {tower index: its sync group}, with groups
         self._hashes = {}           # stable hash -> call name
         self._exited = collections.defaultdict(set)   # total -> tower indices exited
         self._pending = collections.defaultdict(set)  # total -> call names to check
@@ -67,7 +68,7 @@ class CallRegistry(object):
         self._call_counts[slot] += 1
         return '%s:%d' % (base, index)
 
-    def register(self, key, tower_index, total, backend, track):
+    def register(self, key, tower_index, total, backend, track, labels=None):
         """Records that ``tower_index`` builds ``key``; raises on conflicts.
 
         Args:
@@ -76,6 +77,9 @@ class CallRegistry(object):
           total: the number of towers of this graph in the group.
           backend: the call's backend.
           track: also check the group when its ``TowerContext`` towers exit.
+          labels: with sync groups (``group_size``), ``{tower index: its group}``
+            (``'group 2 of 2 (towers 2, 3)'``), which messages about missing
+            towers name.
 
         Raises:
           ValueError: a key collision, a tower building one call twice, mixed
@@ -93,6 +97,16 @@ class CallRegistry(object):
                 '%s: tower %d builds the synchronized layer %r twice under the same key. '
                 'Build each tower once per TowerContext, or give the towers distinct indices.'
                 % (key.layer, tower_index, key.name))
+        previous = self._labels.get(key.name)
+        if members and previous != (labels or None):
+            index = sorted(members)[0]
+            raise ValueError(
+                '%s: tower %d builds %r in %s, but tower %d built it in %s. Every tower must '
+                'build the layer with the same group_size.'
+                % (key.layer, tower_index, key.name,
+                   'sync %s' % labels[tower_index] if labels else 'one group of every tower',
+                   index, 'sync %s' % previous[index] if previous else
+                   'one group of every tower'))
         for index, member in members.items():
             if type(member.backend) is not type(backend):
                 raise ValueError(
@@ -106,6 +120,7 @@ class CallRegistry(object):
                     'its own device.' % (key.layer, index, tower_index, key.device))
         members[tower_index] = _Member(key.device, backend, key.layer)
         self._totals[key.name] = total
+        self._labels[key.name] = labels or None
         if track:
             self._pending[total].add(key.name)
         was_incomplete = bool(self._incomplete)
@@ -157,12 +172,14 @@ class CallRegistry(object):
             missing = sorted(set(range(total)) - set(members))
             if missing:
                 built = sorted(members)
+                labels = self._labels.get(name) or {}
                 problems.append('%s (a group of %d towers: built by tower%s %s, never by '
                                 'tower%s %s)' % (
                                     members[built[0]].layer, total,
                                     's' if len(built) > 1 else '', ', '.join(map(str, built)),
                                     's' if len(missing) > 1 else '',
-                                    ', '.join(map(str, missing))))
+                                    ', '.join('%d in sync %s' % (t, labels[t]) if t in labels
+                                              else str(t) for t in missing)))
         return problems
 
     def run_time_verdict(self):

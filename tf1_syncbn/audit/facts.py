@@ -16,7 +16,8 @@ import tensorflow as tf
 
 from tf1_syncbn.audit import report as report_lib
 from tf1_syncbn.audit.graph import parent_scope, tower_of
-from tf1_syncbn.audit.layers import collective_group, find_layers
+from tf1_syncbn.audit.layers import (MAIN_GROUP_STATISTICS, collective_group, collective_key,
+                                     find_layers)
 
 __all__ = ['GraphFacts', 'LayerFacts', 'graph_facts', 'layer_facts', 'unique_towers',
            'towers_of', 'canonical_device']
@@ -69,7 +70,12 @@ class LayerFacts:
         labels: of every copy, of ``in_step``, of the inference paths, of the
         ``in_step`` copies that all-reduce.
       backends: the names of the backends of its forward all-reduces.
-      group_sizes: the group sizes those all-reduces record, sorted.
+      group_sizes: the group sizes those all-reduces record, sorted (the
+        all-reduce of the moving statistics across workers' sync groups left out).
+      sync_groups: ``((towers, group sizes), ...)``: the towers whose forward
+        all-reduces share a group key (NCCL: a group label), each with the
+        sizes they record, in the order of their first tower; more than one
+        with sync groups (the layers' ``group_size``).
       collectives_per_step: its all-reduces (forward and backward) the step
         runs (all of them without a train op).
       devices: the canonical devices of the ``in_step`` copies that name one.
@@ -102,6 +108,7 @@ class LayerFacts:
     synced_towers: tuple
     backends: frozenset
     group_sizes: tuple
+    sync_groups: tuple
     collectives_per_step: int
     devices: tuple
     moving: tuple
@@ -148,7 +155,7 @@ def layer_facts(key, graph):
     in_step = [i for i in training if i.reached(reached)] or training
     kinds = set().union(*(i.kinds for i in group))
     forward = [c for i in in_step for c in i.collectives]
-    described = [collective_group(c) for c in forward]
+    described = [collective_group(c) for c in forward if not _main_group_statistics(c)]
     collectives = forward + graph.backward.get(key, [])
     moving = tuple((node, stat) for k, stat, node in graph.variables.values() if k == key)
     updates = _updates(moving, training, graph)
@@ -165,6 +172,7 @@ def layer_facts(key, graph):
         synced_towers=unique_towers(i.tower for i in in_step if i.collectives),
         backends=frozenset(b for b, _ in described),
         group_sizes=tuple(sorted({s for _, s in described if s})),
+        sync_groups=_sync_groups(in_step),
         collectives_per_step=sum(1 for c in collectives if reached is None or c.key in reached),
         devices=tuple(sorted({canonical_device(i.device) for i in in_step if i.device})),
         moving=moving, untowered=_untowered(in_step),
@@ -172,6 +180,27 @@ def layer_facts(key, graph):
                                     if not i.training and i.tower in graph.training_towers and
                                     i.reached(reached)),
         **updates)
+
+
+def _main_group_statistics(node):
+    """Whether ``node`` gives every worker's main tower worker 0's group's moving statistics."""
+    return MAIN_GROUP_STATISTICS in node.name.split('/')
+
+
+def _sync_groups(in_step):
+    """The sync groups of a layer's training towers: ``((towers, group sizes), ...)``."""
+    groups = collections.OrderedDict()
+    for instance in in_step:
+        for node in instance.collectives:
+            if _main_group_statistics(node):
+                continue
+            towers, sizes = groups.setdefault(collective_key(node), ([], set()))
+            if instance.tower not in towers:
+                towers.append(instance.tower)
+            size = collective_group(node)[1]
+            if size:
+                sizes.add(size)
+    return tuple((tuple(towers), frozenset(sizes)) for towers, sizes in groups.values())
 
 
 def _untowered(in_step):

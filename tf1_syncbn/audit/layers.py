@@ -26,11 +26,12 @@ batch norm (layer norm's fused kernel has no moving statistics).
 import collections
 import re
 
-from tf1_syncbn.backends import backend_of_op_type
+from tf1_syncbn.backends import NcclBackend, backend_of_op_type
 from tf1_syncbn.audit.graph import (ASSIGN_OPS, VARIABLE_OPS, is_gradient_scope, parent_scope,
                                     strip_towers, tower_of)
 
-__all__ = ['STATISTICS', 'Instance', 'FoundLayers', 'find_layers', 'collective_group']
+__all__ = ['STATISTICS', 'Instance', 'FoundLayers', 'find_layers', 'collective_group',
+           'collective_key', 'MAIN_GROUP_STATISTICS']
 
 #: Names of moving-statistic variables, after the layer's scope.
 STATISTICS = ('moving_mean', 'moving_variance', 'mean/EMA', 'variance/EMA')
@@ -281,6 +282,27 @@ def collective_group(node):
     attribute = backend.group_size_attributes.get(node.op)
     size = node.get_attr(attribute) if attribute else None
     return backend.name, size.i if size is not None else None
+
+
+#: The name scope of the all-reduce that gives every worker's main tower the
+#: moving statistics of worker 0's sync group (tf1_syncbn._sync.plan): not a group's.
+MAIN_GROUP_STATISTICS = 'main_group_statistics'
+
+
+def collective_key(node):
+    """What tells an all-reduce's sync group apart: its group key, or NCCL's group label.
+
+    Returns:
+      A hashable value, the same for the members of one group; towers of
+      different sync groups (the layers' ``group_size``) have different ones.
+    """
+    if node.op in NcclBackend.op_types:
+        shared = node.get_attr('shared_name')
+        text = shared.s.decode('utf-8', 'replace') if shared is not None else ''
+        match = re.search(r'/group[0-9_,]+$', text)
+        return ('nccl', match.group(0) if match else '')
+    key = node.get_attr('group_key')
+    return (node.op, key.i if key is not None else None)
 
 
 def _attach_collectives(index, instances):

@@ -40,6 +40,9 @@ class LayerAudit(object):
       backend: ``'collective'``, ``'nccl'``, ``'horovod'`` or None.
       group_size: members of the all-reduce group (None when unknown or
         unsynchronized).
+      groups: with sync groups (the layers' ``group_size``), the towers of
+        each group, in order (``(('tower0', 'tower1'), ('tower2', 'tower3'))``);
+        empty when one group holds every tower.
       collectives_per_step: all-reduce ops of this layer (every tower, forward
         and backward) that run in one training step (all of them when no
         train op was given).
@@ -68,6 +71,7 @@ class LayerAudit(object):
         self.synchronized = fields.pop('synchronized', False)
         self.backend = fields.pop('backend', None)
         self.group_size = fields.pop('group_size', None)
+        self.groups = tuple(tuple(g) for g in fields.pop('groups', ()))
         self.collectives_per_step = fields.pop('collectives_per_step', 0)
         self.updates = fields.pop('updates', UPDATES_NOT_CHECKED)
         self.update_ops = fields.pop('update_ops', ())
@@ -95,7 +99,10 @@ class LayerAudit(object):
                 return 'no (per tower)'
             return 'no (per device)' if len(self.devices) > 1 else 'no (one tower)'
         text = self.backend or 'yes'
-        if self.group_size:
+        if self.groups:
+            text += ' (%d groups: %s)' % (len(self.groups), ' | '.join(
+                format_towers(towers) for towers in self.groups))
+        elif self.group_size:
             text += ' (group %d)' % self.group_size
         text += ', %d all-reduces/step' % self.collectives_per_step
         if self.synchronized is None:

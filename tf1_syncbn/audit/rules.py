@@ -14,6 +14,9 @@ The problems:
 * :func:`unsynchronized_towers`: a layer built in more than one tower that
   normalizes each tower with its own batch's statistics, or synchronizes
   only some towers, or over a group smaller than its towers;
+* :func:`disagreeing_sync_groups`: with sync groups (the layers'
+  ``group_size``), towers that disagree on the groups: a tower in two groups,
+  a group's sizes that differ, a group with members that never come;
 * :func:`untowered_copies`: a layer trained by copies on several devices
   that no tower name tells apart (an unnamed tower loop:
   ``tf.device('/gpu:%d' % i)`` without ``tower_<i>`` scopes, or an
@@ -68,7 +71,7 @@ def unsynchronized_towers(layer):
     """Problem: training towers that do not all-reduce together, over every tower."""
     key, towers, synced = layer.key, layer.training_towers, layer.synced_towers
     sizes, backends = layer.group_sizes, layer.backends
-    if len(towers) < 2:
+    if len(towers) < 2 or len(layer.sync_groups) > 1:    # groups: disagreeing_sync_groups
         return []
     listed = report_lib.format_towers(towers)
     if not synced:
@@ -108,6 +111,45 @@ def unsynchronized_towers(layer):
             % (key, min(sizes), '/'.join(sorted(backends)) or 'an', len(towers), listed,
                len(towers), len(towers)))]
     return []
+
+
+def disagreeing_sync_groups(layer):
+    """Problem: sync groups whose towers disagree (a tower in two, sizes, missing members).
+
+    Each group is checked on its own. Towers on other workers (``/job:``
+    devices) may complete a group, so a group with fewer towers here than its
+    size is flagged only in a graph of one process.
+    """
+    groups, key = layer.sync_groups, layer.key
+    if len(groups) < 2:
+        return []
+    problems = []
+    seen = {}
+    multi_process = any('/job:' in (i.device or '') for i in layer.in_step)
+    for number, (towers, sizes) in enumerate(groups, 1):
+        label = 'sync group %d of %d (%s)' % (number, len(groups),
+                                             report_lib.format_towers(towers))
+        twice = [t for t in towers if t in seen]
+        if twice:
+            problems.append(Problem(
+                '%s: %s also all-reduces in sync group %d: its towers disagree on the groups. '
+                'Build the layer with the same group_size in every tower.'
+                % (key, report_lib.format_towers(twice), seen[twice[0]])))
+        for tower in towers:
+            seen.setdefault(tower, number)
+        if len(sizes) > 1:
+            problems.append(Problem(
+                '%s: the towers of %s disagree on its size (%s). Build the layer with the '
+                'same group_size in every tower.'
+                % (key, label, ', '.join(str(n) for n in sorted(sizes)))))
+        elif sizes and not multi_process and min(sizes) != len(towers):
+            problems.append(Problem(
+                '%s: %s all-reduces over %d members but %s of this graph join%s it, so its '
+                'all-reduce waits for towers that never come. Build the layer with the same '
+                'group_size in every tower.'
+                % (key, label, min(sizes), '1 tower' if len(towers) == 1 else
+                   '%d towers' % len(towers), 's' if len(towers) == 1 else '')))
+    return problems
 
 
 def untowered_copies(layer):
@@ -221,6 +263,7 @@ def updates_never_built(layer):
 #: :class:`Problem` and :class:`Note` strings.
 RULES = (
     unsynchronized_towers,
+    disagreeing_sync_groups,
     untowered_copies,
     updates_not_run,
     updates_of_several_towers,
@@ -245,6 +288,8 @@ def _layer_audit(layer, findings):
         synchronized=_synchronized(layer.synced_towers, layer.training_towers),
         backend='/'.join(sorted(layer.backends)) or None,
         group_size=layer.group_sizes[-1] if layer.group_sizes else None,
+        groups=(tuple(towers for towers, _ in layer.sync_groups)
+                if len(layer.sync_groups) > 1 else ()),
         collectives_per_step=layer.collectives_per_step,
         updates=layer.update_status, update_ops=layer.update_ops,
         moving_variables=tuple(sorted(node.name for node, _ in layer.moving)),

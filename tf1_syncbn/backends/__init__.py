@@ -21,17 +21,19 @@ object such as ``CollectiveBackend(timeout=30)``.
 One module per backend (:mod:`~tf1_syncbn.backends.collective`,
 :mod:`~tf1_syncbn.backends.nccl`, :mod:`~tf1_syncbn.backends.horovod`), the
 interface in :mod:`~tf1_syncbn.backends.base`, and the table that turns a
-``sync_statistics`` string into one in :mod:`~tf1_syncbn.backends.resolve`.
+``sync_statistics`` string into one in :mod:`~tf1_syncbn.backends.resolve`; what names
+one all-reduce (:class:`SyncKey`, the group label, stable hashes) in
+:mod:`~tf1_syncbn.backends.keys`.
 """
 
 # Besides __all__, the names the library's modules and tests reach here: the
 # shared device helpers, the table of backends (resolve, VALID_NAMES, the op
-# types), stall_shutdown_seconds().
+# types), stall_shutdown_seconds(), group_label().
 # ruff: noqa: F401
-from tf1_syncbn.backends.base import (SyncBackend, SyncKey, check_local_gpu, device_type,
-                                      gpus_present, local_gpu_count, physical_gpu_count,
-                                      stable_hash)
+from tf1_syncbn.backends.base import (SyncBackend, check_local_gpu, device_type, gpus_present,
+                                      local_gpu_count, physical_gpu_count)
 from tf1_syncbn.backends.collective import CollectiveBackend
+from tf1_syncbn.backends.keys import SyncKey, group_label, stable_hash
 from tf1_syncbn.backends.horovod import HorovodBackend, stall_shutdown_seconds
 from tf1_syncbn.backends.nccl import NcclBackend
 from tf1_syncbn.backends.resolve import (BACKENDS, VALID_NAMES, all_op_type_prefixes, all_op_types,

@@ -1,39 +1,16 @@
 """What every all-reduce backend is and shares: :class:`SyncBackend`, :class:`SyncKey`.
 
-Also the device helpers the backends check towers with, and
-:func:`stable_hash` (keys every process agrees on).
+Also the device helpers the backends check towers with; :class:`SyncKey`,
+:func:`stable_hash` and :func:`group_label` (keys every process agrees on)
+are defined in :mod:`tf1_syncbn.backends.keys`.
 """
-
-import collections
-import hashlib
 
 import tensorflow as tf
 
-__all__ = ['SyncBackend', 'SyncKey', 'stable_hash', 'device_type', 'physical_gpu_count',
-           'gpus_present', 'local_gpu_count', 'check_local_gpu']
+from tf1_syncbn.backends.keys import SyncKey, group_label, stable_hash
 
-
-SyncKey = collections.namedtuple('SyncKey', ['name', 'layer', 'group_size', 'device'])
-SyncKey.__doc__ = """What identifies one synchronized all-reduce.
-
-Attributes:
-  name: the name shared by every member: the layer's scope with tower prefixes
-    stripped, plus the per-tower call index (``'block1/BatchNorm:0'``).
-  layer: the layer's full scope in this tower, for error messages.
-  group_size: the number of members.
-  device: the canonical device string of this member's forward op.
-"""
-
-
-def stable_hash(text, bits=31):
-    """A hash of ``text`` that is the same in every process (unlike ``hash()``).
-
-    Returns:
-      An int in ``[1, 2**bits - 1]`` (never 0, which TF reserves).
-    """
-    digest = hashlib.sha256(text.encode('utf-8')).digest()
-    value = int.from_bytes(digest[:8], 'big') % ((1 << bits) - 1)
-    return value + 1
+__all__ = ['SyncBackend', 'SyncKey', 'stable_hash', 'group_label', 'device_type',
+           'physical_gpu_count', 'gpus_present', 'local_gpu_count', 'check_local_gpu']
 
 
 def device_type(device):
@@ -144,6 +121,18 @@ class SyncBackend(object):
     def check(self, key):
         """Raises ``ValueError`` at graph build when ``key`` cannot work here."""
         del key
+
+    def worker_rank(self):
+        """This worker's rank (0 with one worker; None if unknown), for sync groups' numbering."""
+        return 0
+
+    def all_reduce_workers(self, tensor, key, direction):
+        """The sum of ``tensor`` over one member per worker (each worker's main tower).
+
+        Sync groups use it for the moving statistics of worker 0's group
+        (:meth:`tf1_syncbn._sync.plan.SyncPlan.main_group_statistics`).
+        """
+        raise NotImplementedError
 
     def step_timeout(self):
         """Seconds a step may run while one of this backend's all-reduces waits (0: no bound).

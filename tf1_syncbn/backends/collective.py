@@ -2,7 +2,8 @@
 
 import tensorflow as tf
 
-from tf1_syncbn.backends.base import SyncBackend, check_local_gpu, device_type, stable_hash
+from tf1_syncbn.backends.base import SyncBackend, check_local_gpu, device_type
+from tf1_syncbn.backends.keys import group_label, stable_hash
 from tf1_syncbn.timeouts import DEFAULT_TIMEOUT, op_timeout, validate_timeout
 
 __all__ = ['CollectiveBackend']
@@ -36,6 +37,9 @@ class CollectiveBackend(SyncBackend):
         towers (multi-worker training); the group then spans
         ``towers * num_workers`` members. The session must be configured for
         collectives across processes (``experimental.collective_group_leader``).
+      rank: this worker's rank (0 to ``num_workers - 1``, chief first), which
+        sync groups (the layers' ``group_size``) need to number the towers
+        globally; ``Cluster.backend()`` passes it. Not needed with one worker.
     """
 
     name = 'collective'
@@ -43,7 +47,7 @@ class CollectiveBackend(SyncBackend):
     group_size_attributes = {'CollectiveReduce': 'group_size'}
     op_type_prefix = 'Collective'
 
-    def __init__(self, timeout=None, communication_hint='auto', num_workers=1):
+    def __init__(self, timeout=None, communication_hint='auto', num_workers=1, rank=None):
         timeout = DEFAULT_TIMEOUT if timeout is None else validate_timeout(
             timeout, 'CollectiveBackend')
         if communication_hint not in ('auto', 'ring', 'nccl'):
@@ -52,18 +56,34 @@ class CollectiveBackend(SyncBackend):
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError('CollectiveBackend: num_workers must be a positive int, got %r.'
                              % (num_workers,))
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or
+                                 not 0 <= rank < num_workers):
+            raise ValueError('CollectiveBackend: rank must be an int in [0, num_workers=%d), '
+                             'got %r.' % (num_workers, rank))
         self.timeout = timeout
         self.communication_hint = communication_hint
         self.num_workers = num_workers
+        self.rank = rank
 
     def group_size(self, towers):
         return towers * self.num_workers
 
+    def worker_rank(self):
+        return 0 if self.num_workers == 1 else self.rank
+
     def group_key(self, key):
-        return stable_hash('tf1_syncbn/group/%s/%d' % (device_type(key.device), key.group_size))
+        return stable_hash('tf1_syncbn/group/%s/%d%s' % (device_type(key.device), key.group_size,
+                                                         group_label(key)))
 
     def instance_key(self, key, direction):
+        # Not the group's: a worker's session derives its collectives' step ids
+        # from its graph's instance keys, which must match across workers.
         return stable_hash('tf1_syncbn/instance/%s/%s' % (key.name, direction))
+
+    def all_reduce_workers(self, tensor, key, direction):
+        # The group of every worker's tower of this index (one per worker).
+        return self.all_reduce(tensor, key._replace(group_size=self.num_workers, members=None,
+                                                    group=None), direction)
 
     def check(self, key):
         if key.group_size > 1 and not key.device:
@@ -86,4 +106,6 @@ class CollectiveBackend(SyncBackend):
                 timeout=op_timeout(self.timeout))
 
     def __repr__(self):
-        return 'CollectiveBackend(timeout=%r, num_workers=%d)' % (self.timeout, self.num_workers)
+        rank = ', rank=%d' % self.rank if self.rank is not None else ''
+        return 'CollectiveBackend(timeout=%r, num_workers=%d%s)' % (self.timeout, self.num_workers,
+                                                                    rank)

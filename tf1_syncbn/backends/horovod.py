@@ -72,15 +72,47 @@ class HorovodBackend(SyncBackend):
     def group_size(self, towers):
         return self._hvd.size() * towers
 
+    def worker_rank(self):
+        return self._hvd.rank()
+
+    def check_groups(self, layer, groups, towers):
+        """Raises ``ValueError`` for sync groups that span Horovod processes.
+
+        Groups within one process are collectives among its towers (no
+        Horovod op); groups across processes would need Horovod process sets,
+        which must be registered when ``hvd.init`` runs, before the graph.
+        """
+        for members in groups:
+            if len({m // towers for m in members}) > 1:
+                raise ValueError(
+                    "%s: sync_statistics='horovod' cannot synchronize the group of towers %s: "
+                    'it spans Horovod processes (%d towers per process), and a group across '
+                    'processes would need a Horovod process set, which hvd.init must register '
+                    'before any graph is built. Use a group_size that divides the %d towers '
+                    'of each process (each group is then a collective among its towers), '
+                    'or run the workers with tf1_syncbn.distributed and CollectiveBackend, '
+                    'whose groups may span workers.'
+                    % (layer, list(members), towers, towers))
+
     def towers(self, key):
         """The number of towers per process in ``key``'s group."""
         return key.group_size // self._hvd.size()
 
     def check(self, key):
-        if self.towers(key) > 1:
+        if key.members is not None:
+            self._local.check(key)
+        elif self.towers(key) > 1:
             self._local.check(key._replace(group_size=self.towers(key)))
 
+    def all_reduce_workers(self, tensor, key, direction):
+        name = re.sub(r'[^A-Za-z0-9_.-]', '_', 'tf1_syncbn.%s.%s' % (key.name, direction))
+        with tf.device(key.device):
+            return self._hvd.allreduce(tensor, op=self._hvd.Sum, name=name)
+
     def all_reduce(self, tensor, key, direction):
+        if key.members is not None:     # a group within this process (check_groups)
+            return self._local.all_reduce(tensor, key._replace(name='horovod/' + key.name),
+                                          direction)
         towers = self.towers(key)
         if towers > 1:
             local = key._replace(name='horovod/' + key.name, group_size=towers)

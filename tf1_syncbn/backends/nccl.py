@@ -5,6 +5,7 @@ import re
 import tensorflow as tf
 
 from tf1_syncbn.backends.base import SyncBackend, check_local_gpu, device_type
+from tf1_syncbn.backends.keys import group_label
 
 __all__ = ['NcclBackend']
 
@@ -34,7 +35,8 @@ class NcclBackend(SyncBackend):
         check_local_gpu(key.layer, key.device, self.name)
 
     def shared_name(self, key, direction):
-        return re.sub(r'[^A-Za-z0-9_./-]', '_', 'tf1_syncbn/%s/%s' % (key.name, direction))
+        return re.sub(r'[^A-Za-z0-9_./-]', '_', 'tf1_syncbn/%s/%s%s' % (key.name, direction,
+                                                                         group_label(key)))
 
     def all_reduce(self, tensor, key, direction):
         from tensorflow.python.ops import gen_nccl_ops  # noqa: PLC0415 - NCCL backend only

@@ -109,7 +109,7 @@ class Cluster(object):
             timeout=self.collective_timeout if timeout is None else timeout,
             communication_hint=(self.communication_hint if communication_hint is None
                                 else communication_hint),
-            num_workers=self.num_workers)
+            num_workers=self.num_workers, rank=self.rank)
 
     def __repr__(self):
         return ('Cluster(rank=%d, num_workers=%d, towers=%d, devices=%r, target=%r)'

@@ -75,9 +75,10 @@ def _lazy_cond_outputs():
 class _Synchronized(object):
     """What both layers add to tf-keras' class: the arguments and the call through the core."""
 
-    def _init_sync(self, sync_statistics, num_dev, axis, fused):
+    def _init_sync(self, sync_statistics, num_dev, axis, fused, group_size=None):
         self.sync_statistics = sync_statistics
         self.num_dev = num_dev
+        self.group_size = group_size
         self._axis_argument = axis
         self._fused_argument = fused
 
@@ -130,7 +131,7 @@ class _Synchronized(object):
             adjustment=adjustment, num_dev=None if one_device else self.num_dev,
             sync_statistics=None if one_device else self.sync_statistics,
             virtual_batch_size=vbs if ghost_batches_in_training(training) else None,
-            virtual_batch_style='strided')
+            virtual_batch_style='strided', group_size=None if one_device else self.group_size)
         x, layout = check_inputs(options, x)
         # tf-keras' fused path tracks the fused kernel's Bessel-corrected variance
         # and computes 1 - momentum in float32; its non-fused one, the biased
@@ -195,8 +196,9 @@ class _Synchronized(object):
 
     def _sync_config(self, config):
         """tf-keras' config, plus this layer's arguments where they are not the defaults."""
-        if self.num_dev is not None:
-            config['num_dev'] = self.num_dev
+        for name in ('num_dev', 'group_size'):
+            if getattr(self, name) is not None:
+                config[name] = getattr(self, name)
         spec = self.sync_statistics
         if spec is None or (isinstance(spec, str) and spec != 'auto'):
             config['sync_statistics'] = spec
@@ -257,6 +259,7 @@ class BatchNormalization(_Synchronized, KERAS_BATCH_NORMALIZATION):
         behaviour) or a :class:`tf1_syncbn.SyncBackend`.
       num_dev: the number of towers, for towers built as ``tower_<i>`` /
         ``clone_<i>`` name scopes without a tower context.
+      group_size: sync groups, as for :func:`tf1_syncbn.sync_batch_norm`.
       **kwargs: tf-keras' others: ``renorm``, ``renorm_clipping``,
         ``renorm_momentum``, ``fused``, ``trainable``, ``virtual_batch_size``,
         ``adjustment``, ``name``, ``dtype`` (a mixed-precision policy
@@ -273,7 +276,7 @@ class BatchNormalization(_Synchronized, KERAS_BATCH_NORMALIZATION):
                  moving_mean_initializer='zeros', moving_variance_initializer='ones',
                  beta_regularizer=None, gamma_regularizer=None, beta_constraint=None,
                  gamma_constraint=None, synchronized=False, *, sync_statistics='auto',
-                 num_dev=None, **kwargs):
+                 num_dev=None, group_size=None, **kwargs):
         super().__init__(
             axis=axis, momentum=momentum, epsilon=epsilon, center=center, scale=scale,
             beta_initializer=beta_initializer, gamma_initializer=gamma_initializer,
@@ -282,7 +285,7 @@ class BatchNormalization(_Synchronized, KERAS_BATCH_NORMALIZATION):
             beta_regularizer=beta_regularizer, gamma_regularizer=gamma_regularizer,
             beta_constraint=beta_constraint, gamma_constraint=gamma_constraint,
             synchronized=synchronized, **kwargs)
-        self._init_sync(sync_statistics, num_dev, axis, kwargs.get('fused'))
+        self._init_sync(sync_statistics, num_dev, axis, kwargs.get('fused'), group_size)
 
     def get_config(self):
         return self._sync_config(super().get_config())
@@ -301,13 +304,13 @@ class BatchNormalizationV1(_Synchronized, KERAS_BATCH_NORMALIZATION_V1):
 
     Args:
       *args, **kwargs: tf-keras' ``BatchNormalizationBase`` arguments.
-      sync_statistics, num_dev: as for :class:`BatchNormalization`.
+      sync_statistics, num_dev, group_size: as for :class:`BatchNormalization`.
     """
 
-    def __init__(self, *args, sync_statistics='auto', num_dev=None, **kwargs):
+    def __init__(self, *args, sync_statistics='auto', num_dev=None, group_size=None, **kwargs):
         super().__init__(*args, **kwargs)
         self._init_sync(sync_statistics, num_dev, args[0] if args else kwargs.get('axis', -1),
-                        args[16] if len(args) > 16 else kwargs.get('fused'))
+                        args[16] if len(args) > 16 else kwargs.get('fused'), group_size)
 
     def get_config(self):
         return self._sync_config(super().get_config())

@@ -120,7 +120,7 @@ class ClassPatch(Patch):
                     space[attribute] = back[id(value)]
 
 
-def patch_keras(sync_statistics='auto', num_dev=None):
+def patch_keras(sync_statistics='auto', num_dev=None, group_size=None):
     """Makes tf-keras' ``BatchNormalization`` this library's, in loaded modules and new models.
 
     After this call, code that builds tf-keras' layer builds
@@ -146,6 +146,7 @@ def patch_keras(sync_statistics='auto', num_dev=None):
         is active (``'auto'``: synchronize over the towers they are called in).
       num_dev: the layers' default ``num_dev`` (the number of towers of a
         script whose towers are ``tower_<i>`` name scopes).
+      group_size: the layers' default ``group_size`` (docs/sync-groups.md).
 
     Returns:
       A handle with ``restore()``, usable as a context manager.
@@ -163,7 +164,7 @@ def patch_keras(sync_statistics='auto', num_dev=None):
         after the patch (the message names the TensorFlow and Keras versions);
         build :class:`BatchNormalization` directly instead.
     """
-    defaults = {'sync_statistics': sync_statistics, 'num_dev': num_dev}
+    defaults = {'sync_statistics': sync_statistics, 'num_dev': num_dev, 'group_size': group_size}
     v2 = class_with_defaults(BatchNormalization, defaults)
     v1 = class_with_defaults(BatchNormalizationV1, defaults)
     names = _user_names(v2, v1)

@@ -85,6 +85,7 @@ class BatchNormalization(object):
         :class:`tf1_syncbn.SyncBackend`.
       num_dev: the number of towers, for towers built without a tower context
         (``tower_<i>`` / ``clone_<i>`` name scopes).
+      group_size: sync groups, as for :func:`tf1_syncbn.sync_batch_norm`.
       **kwargs: ``dtype`` (the input is cast to it: float16, bfloat16 or
         float32), and tf.layers' private ``_scope`` and ``_reuse``.
 
@@ -103,7 +104,8 @@ class BatchNormalization(object):
                  beta_regularizer=None, gamma_regularizer=None, beta_constraint=None,
                  gamma_constraint=None, renorm=False, renorm_clipping=None,
                  renorm_momentum=0.99, fused=None, trainable=True, virtual_batch_size=None,
-                 adjustment=None, name=None, sync_statistics='auto', num_dev=None, **kwargs):
+                 adjustment=None, name=None, sync_statistics='auto', num_dev=None,
+                 group_size=None, **kwargs):
         scope = kwargs.pop('_scope', None)
         self._reuse = kwargs.pop('_reuse', None)
         dtype = kwargs.pop('dtype', None)
@@ -147,7 +149,7 @@ class BatchNormalization(object):
         self.virtual_batch_size = virtual_batch_size
         self.adjustment = adjustment
         self.sync_statistics = sync_statistics
-        self.num_dev = num_dev
+        self.num_dev, self.group_size = num_dev, group_size
         self._scope = None
         if scope:
             with tf1.variable_scope(scope) as captured:
@@ -287,7 +289,7 @@ class BatchNormalization(object):
             renorm_clipping=self.renorm_clipping, renorm_momentum=self.renorm_momentum,
             adjustment=adjustment, num_dev=self.num_dev,
             sync_statistics=self.sync_statistics, virtual_batch_size=ghost,
-            virtual_batch_style='strided')
+            virtual_batch_style='strided', group_size=self.group_size)
         if vbs is not None and ghost is None:
             check_options(layer, virtual_batch_size=vbs)   # still a positive int
         x, layout = check_inputs(options, x)
@@ -394,7 +396,7 @@ def batch_normalization(inputs, axis=-1, momentum=0.99, epsilon=1e-3, center=Tru
                         gamma_constraint=None, training=False, trainable=True, name=None,
                         reuse=None, renorm=False, renorm_clipping=None, renorm_momentum=0.99,
                         fused=None, virtual_batch_size=None, adjustment=None,
-                        sync_statistics='auto', num_dev=None):
+                        sync_statistics='auto', num_dev=None, group_size=None):
     """``tf.compat.v1.layers.batch_normalization``, with synchronized statistics.
 
     Builds a :class:`BatchNormalization` and calls it, as tf.layers does: with
@@ -427,7 +429,8 @@ def batch_normalization(inputs, axis=-1, momentum=0.99, epsilon=1e-3, center=Tru
         beta_constraint=beta_constraint, gamma_constraint=gamma_constraint, renorm=renorm,
         renorm_clipping=renorm_clipping, renorm_momentum=renorm_momentum, fused=fused,
         trainable=trainable, virtual_batch_size=virtual_batch_size, adjustment=adjustment,
-        name=name, sync_statistics=sync_statistics, num_dev=num_dev, _reuse=reuse, _scope=name)
+        name=name, sync_statistics=sync_statistics, num_dev=num_dev, _reuse=reuse,
+        _scope=name, group_size=group_size)
     return layer(inputs, training=training)
 
 

@@ -239,9 +239,10 @@ def _user_names(replacements):
     return names
 
 
-def _replacements(sync_statistics, num_dev):
+def _replacements(sync_statistics, num_dev, group_size=None):
     """This library's two objects, with the patch's defaults for its own arguments."""
-    defaults = {'sync_statistics': sync_statistics, 'num_dev': num_dev}
+    defaults = {'sync_statistics': sync_statistics, 'num_dev': num_dev,
+                'group_size': group_size}
 
     @functools.wraps(layers.batch_normalization)
     def batch_normalization(inputs, *args, **kwargs):
@@ -258,7 +259,7 @@ def _replacements(sync_statistics, num_dev):
     return {'batch_normalization': batch_normalization, 'BatchNormalization': BatchNormalization}
 
 
-def patch_tf_layers(sync_statistics='auto', num_dev=None):
+def patch_tf_layers(sync_statistics='auto', num_dev=None, group_size=None):
     """Makes ``tf.compat.v1.layers``' batch normalization this library's.
 
     After this call, ``tf.compat.v1.layers.batch_normalization`` and
@@ -284,6 +285,8 @@ def patch_tf_layers(sync_statistics='auto', num_dev=None):
         is active (``'auto'``: synchronize over the towers they are built in).
       num_dev: the layers' default ``num_dev`` (the number of towers of a
         script whose towers are ``tower_<i>`` name scopes).
+      group_size: the layers' default ``group_size`` (synchronize within
+        groups of that many consecutive global towers; None: every tower).
 
     Returns:
       A handle with ``restore()``, usable as a context manager.
@@ -302,4 +305,4 @@ def patch_tf_layers(sync_statistics='auto', num_dev=None):
         after the patch: the message names the TensorFlow and Keras versions;
         call :func:`tf1_syncbn.layers.batch_normalization` directly instead.
     """
-    return _TfLayersPatch(_replacements(sync_statistics, num_dev)).apply()
+    return _TfLayersPatch(_replacements(sync_statistics, num_dev, group_size)).apply()

@@ -46,7 +46,8 @@ def sync_batch_norm(inputs,
                     adjustment=None,
                     num_dev=None,
                     sync_statistics='auto',
-                    finetune=None):
+                    finetune=None,
+                    group_size=None):
     """Synchronized batch normalization with the signature of ``slim.batch_norm``.
 
     In training, the statistics are those of the *global* batch: every tower of
@@ -169,6 +170,12 @@ def sync_batch_norm(inputs,
         moving statistics become the exact average of the batches seen since
         :func:`tf1_syncbn.start_finetuning` (``decay = 1 - 1/n``, ChainerMN's
         fine-tune mode); adds the variable ``finetune_count``.
+      group_size: None (synchronize every tower of every worker), or an int:
+        synchronize within groups of that many consecutive global towers
+        (worker ``w``'s tower ``t`` is ``w * towers + t``), which must divide
+        the towers; or explicit groups, a list of lists of global tower
+        indices. The moving statistics follow the group of global tower 0
+        (see docs/sync-groups.md).
 
     Returns:
       A tensor with the shape and dtype of ``inputs``.
@@ -190,7 +197,7 @@ def sync_batch_norm(inputs,
             center=center, scale=scale, fused=fused, renorm=renorm,
             renorm_clipping=renorm_clipping, renorm_momentum=renorm_decay, adjustment=adjustment,
             num_dev=num_dev, sync_statistics=sync_statistics,
-            zero_debias=zero_debias_moving_mean)
+            zero_debias=zero_debias_moving_mean, group_size=group_size)
         x, layout = check_inputs(options, inputs)
         slim_fused, keras_fused = slim_runs_fused_kernel(
             fused, layout.rank, batch_weights, renorm, adjustment, zero_debias_moving_mean,

@@ -184,7 +184,7 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_MOMENTUM, eps
               center=_CENTER, scale=_SCALE, beta_initializer=None,
               gamma_initializer=_GAMMA_INITIALIZER,
               virtual_batch_size=None, data_format='channels_last', ema_update='default',
-              sync_statistics=None, finetune=None, **legacy_kwargs):
+              sync_statistics=None, finetune=None, group_size=None, **legacy_kwargs):
     """tensorpack's ``BatchNorm`` layer, with synchronized statistics on any device.
 
     Call it as tensorpack users do: ``BatchNorm('bn', x, sync_statistics='nccl')``.
@@ -253,6 +253,9 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_MOMENTUM, eps
       finetune: None, or a Python bool / scalar bool tensor: when true, the
         moving statistics become the exact average of the batches seen since
         :func:`start_finetuning` (ChainerMN's fine-tune mode).
+      group_size: None (synchronize every tower), or synchronize within groups
+        of that many consecutive global towers, or explicit groups (lists of
+        global tower indices); as for :func:`tf1_syncbn.sync_batch_norm`.
       **legacy_kwargs: tensorpack's old names (``use_bias``, ``use_scale``,
         ``gamma_init``, ``decay``, ``use_local_stat``).
 
@@ -291,7 +294,7 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_MOMENTUM, eps
             'BatchNorm(%s)' % vs.name, arg_names=spelled,
             data_format=_DATA_FORMATS[data_format], axis=axis, is_training=training,
             momentum=values['momentum'], epsilon=epsilon, center=values['center'],
-            scale=values['scale'], sync_statistics=sync_statistics,
+            scale=values['scale'], sync_statistics=sync_statistics, group_size=group_size,
             virtual_batch_size=virtual_batch_size if training is not False else None)
         x, layout = check_inputs(options, inputs)
         fused = tensorpack_runs_fused_kernel(layout.rank, x.dtype.base_dtype,
@@ -342,7 +345,7 @@ def _attach_variables(tensor, **variables):
 @tf.autograph.experimental.do_not_convert     # (see tf1_syncbn._core.call)
 def BatchRenorm(name, x, rmax, dmax, *, momentum=0.9, epsilon=1e-5, center=True, scale=True,
                 gamma_initializer=None, data_format='channels_last', sync_statistics=None,
-                training=None, **legacy_kwargs):
+                training=None, group_size=None, **legacy_kwargs):
     """tensorpack's ``BatchRenorm`` (Batch Renormalization, Ioffe 2017), synchronizable.
 
     It runs the renorm path of :func:`tf1_syncbn.sync_batch_norm`: ``r`` and
@@ -376,6 +379,7 @@ def BatchRenorm(name, x, rmax, dmax, *, momentum=0.9, epsilon=1e-5, center=True,
       data_format: ``'channels_last'`` or ``'channels_first'``.
       sync_statistics: as for :func:`BatchNorm`.
       training: None follows the tower context (True outside one).
+      group_size: as for :func:`BatchNorm`.
 
     Returns:
       A tensor named ``<name>/output`` with the shape of ``x``.
@@ -400,7 +404,7 @@ def BatchRenorm(name, x, rmax, dmax, *, momentum=0.9, epsilon=1e-5, center=True,
             momentum=values['momentum'], epsilon=epsilon, center=values['center'],
             scale=values['scale'], renorm=True,
             renorm_clipping={'rmin': _reciprocal(rmax), 'rmax': rmax, 'dmax': dmax},
-            renorm_momentum=0.99, sync_statistics=sync_statistics)
+            renorm_momentum=0.99, sync_statistics=sync_statistics, group_size=group_size)
         x, layout = check_inputs(options, x)
         # tensorpack builds Keras' layer with fused=False.
         options = options.with_replaced_path(False)
