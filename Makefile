@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 # loadfile), so a module's reference run and shared graphs are built once.
 PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
-# Each pass writes its tests' wall and CPU times here (tests/suite_times.py);
+# Each pass writes its tests' wall and CPU times here (tests/support/suite_times.py);
 # `python tools/suite_times.py .suite-times/*.json` shows where the time went.
 TIMES := --suite-times=.suite-times/$$TF1_SYNCBN_TEST_BEHAVIOR.json
 
@@ -77,7 +77,7 @@ demo: $(VENV)/.installed-demo
 # make test runs the linter and the documentation build first: a lint error,
 # or a broken reference or docstring in docs/, fails it. Then the suite twice:
 # in TF2-behaviour graph mode, and in TF1 behaviour (disable_v2_behavior(),
-# tests/tf_behavior.py), where each module runs the cases it picks for what TF1
+# tests/support/tf_behavior.py), where each module runs the cases it picks for what TF1
 # behaviour changes (docs/tf-behaviours.md). `make test-v2` / `make test-v1`
 # run one pass. tests/with_horovod is make test-horovod's, even where Horovod is built.
 SUITE := tests --ignore=tests/with_horovod
@@ -91,7 +91,7 @@ test-v2 test-v1: $(VENV)/.installed-test kernels
 
 # Everything make test leaves out to stay in CI's time budget (docs/testing.md,
 # "make test-full"): every case of the products that make test runs a covering
-# set of (tests/suite_scope.py), in both behaviours, then the version subset on
+# set of (tests/support/suite_scope.py), in both behaviours, then the version subset on
 # every supported TensorFlow before 2.21, then Horovod's tests. About 3 times
 # make test's time.
 test-full: $(VENV)/.installed-test kernels lint docs
@@ -151,7 +151,7 @@ $(TF_VERSIONS:%=venv-tf%): venv-tf%: .venv-tf%/.installed
 # TensorFlow, into the shared cache) and the self-test on 2 virtual CPUs. Only
 # the modules that mark tests are collected: collecting the others would import
 # what they import (tf-keras beside TensorFlow 2.15's Keras 2.15, for one).
-VERSION_TESTS = $(shell grep -l 'pytest.mark.versions' tests/test_*.py)
+VERSION_TESTS = $(shell grep -l 'pytest.mark.versions' tests/*/test_*.py)
 $(TF_VERSIONS:%=test-tf%): test-tf%: .venv-tf%/.installed
 	.venv-tf$*/bin/python -m tf1_syncbn.kernels
 	TF1_SYNCBN_TEST_BEHAVIOR=v2 .venv-tf$*/bin/python -m pytest -q $(XDIST) -m versions $(VERSION_TESTS) $(PYTEST_ARGS)

@@ -11,12 +11,16 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+#: The helpers (tf_behavior, references, the scripts the tests start): tests/support.
+SUPPORT = os.path.join(HERE, 'support')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 # Scripts the tests start import tf_behavior (and the packages) from here.
 os.environ['PYTHONPATH'] = os.pathsep.join(
-    [HERE, ROOT] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p])
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+    [SUPPORT, ROOT] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p])
+# The test modules, in tests/<package>/, import the helpers and conftest by name.
+for _path in (HERE, SUPPORT):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -30,7 +34,7 @@ from tower import virtual_cpu_config  # noqa: E402
 
 MAX_DEVICES = 8
 
-#: The timing report (`--suite-times=PATH`, tests/suite_times.py).
+#: The timing report (`--suite-times=PATH`, tests/support/suite_times.py).
 pytest_plugins = ["suite_times"]
 
 

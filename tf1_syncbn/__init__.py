@@ -40,23 +40,23 @@
 from tf1_syncbn._cli import answer_help_early as _answer_help_early
 _answer_help_early()
 
+import sys as _sys
+
 from tf1_syncbn.backends import (CollectiveBackend, HorovodBackend, NcclBackend, SyncBackend,
                                  SyncKey)
-from tf1_syncbn.slim_layer import sync_batch_norm
-from tf1_syncbn.tensorpack_layer import BatchNorm, BatchRenorm, start_finetuning
-from tf1_syncbn.convert import convert_arg_scope, sync_arg_scope
-from tf1_syncbn.tensorpack_compat import patch_tensorpack
+from tf1_syncbn.errors import PatchError, SyncBNWarning
+from tf1_syncbn.slim import convert_arg_scope, sync_arg_scope, sync_batch_norm
+from tf1_syncbn.tensorpack import BatchNorm, BatchRenorm, patch_tensorpack, start_finetuning
 from tf1_syncbn import layers
-from tf1_syncbn.tf_layers_compat import patch_tf_layers
-from tf1_syncbn._group import SyncBNWarning
-from tf1_syncbn._patch_check import PatchError
+from tf1_syncbn.layers import patch_tf_layers
 from tf1_syncbn.distributed import (Cluster, ClusterError, DistributedOptimizer, PeerMissingError,
                                     WorkerLostError, WorkerSession, all_reduce_gradients,
                                     average_across_workers, broadcast_variables, setup_cluster)
-from tf1_syncbn._audit_rules import audit_graph
-from tf1_syncbn._moments import moments, weighted_moments
+from tf1_syncbn.audit import audit_graph
+from tf1_syncbn._core.moments import moments, weighted_moments
 from tf1_syncbn import export
 from tf1_syncbn import kernels as _kernels
+from tf1_syncbn.audit import report as _audit_report
 
 __all__ = ['sync_batch_norm', 'BatchNorm', 'BatchRenorm', 'start_finetuning', 'SyncBackend',
            'SyncKey', 'CollectiveBackend', 'NcclBackend', 'HorovodBackend']
@@ -73,6 +73,11 @@ __all__ += ['audit_graph', 'export', 'moments', 'weighted_moments']
 _kernels.register_cached()
 
 __version__ = '0.1.0'
+
+# A module path the docs named before the package layout (issue 34): the same
+# module object, so `tf1_syncbn.audit_report.AuditReport` keeps working.
+_sys.modules.setdefault(__name__ + '.audit_report', _audit_report)
+audit_report = _audit_report
 
 
 def __getattr__(name):

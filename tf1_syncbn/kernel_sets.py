@@ -2,7 +2,7 @@
 
 A synchronized training step splits batch norm at its two all-reduces. Every
 kernel set implements the same four steps, and the engine
-(:mod:`tf1_syncbn._engine`) runs them around the backend's all-reduces::
+(:mod:`tf1_syncbn._compute.engine`) runs them around the backend's all-reduces::
 
     packed = moments(x4)                      -> all-reduce (sum) -> packed_sum
     y4, moments, saved = normalize(x4, packed_sum, gamma, beta)
@@ -11,7 +11,7 @@ kernel set implements the same four steps, and the engine
     dx = backward_finish(state, dy4, x4, gamma, saved, grads_sum)
 
 ``packed`` is the float64 vector ``[n, n*mu, M2 + n*mu^2]`` of
-:func:`tf1_syncbn._math.pack_moments`; ``grads`` the float32 vector
+:func:`tf1_syncbn._compute.math.pack_moments`; ``grads`` the float32 vector
 ``[sum(dy * xhat), sum(dy)]``. ``x4``/``dy4`` are canonical 4-D views
 (``NHWC`` or ``NCHW``) of any rank and data format.
 
@@ -35,8 +35,8 @@ import threading
 
 import tensorflow as tf
 
-from tf1_syncbn import _math
-from tower._state import get_graph_state
+from tf1_syncbn._compute import math as _math
+from tower.graph_state import get_graph_state
 
 __all__ = ['CompiledCpuKernels', 'PortableKernels', 'kernels_for', 'register_kernel_set',
            'kernel_set_factories']

@@ -49,10 +49,10 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tf1_syncbn._audit_rules import audit_graph  # noqa: E402
 from tf1_syncbn._cli import SELFTEST_BACKENDS, selftest_parser  # noqa: E402
+from tf1_syncbn.audit import audit_graph  # noqa: E402
 from tf1_syncbn.backends import CollectiveBackend  # noqa: E402
-from tf1_syncbn.slim_layer import sync_batch_norm  # noqa: E402
+from tf1_syncbn.slim import sync_batch_norm  # noqa: E402
 from tower import call_for_each_tower, get_current_tower_context, virtual_cpu_config  # noqa: E402
 
 __all__ = ['run_check', 'main', 'CheckResult', 'format_table', 'QUANTITIES', 'BACKENDS']

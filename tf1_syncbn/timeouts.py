@@ -6,7 +6,7 @@ through :func:`validate_timeout`, so that each means the same thing:
 
 * a number of seconds ``> 0``: the step fails with
   ``DeadlineExceededError`` once it has run that long while a collective of
-  it still waits (see :mod:`tf1_syncbn._guards` for what the clock measures);
+  it still waits (see :mod:`tf1_syncbn._sync.guards` for what the clock measures);
 * ``0`` or ``float('inf')``: no deadline, a collective waits forever;
 * finite values above :data:`MAX_TIMEOUT` (about 31 years) are clamped to it,
   so that no deadline overflows TensorFlow's or the watchdog's int64
@@ -19,11 +19,10 @@ import contextlib
 import math
 import numbers
 import os
-import re
 import threading
 
 __all__ = ['DEFAULT_TIMEOUT', 'MAX_TIMEOUT', 'validate_timeout', 'timeout_from_environment',
-           'watched', 'op_timeout', 'stall_shutdown_seconds']
+           'watched', 'op_timeout']
 
 #: The largest finite timeout, in seconds (about 31.7 years); larger ones are clamped.
 MAX_TIMEOUT = 1e9
@@ -93,7 +92,7 @@ def watched(flag=True):
     """Collectives built in the block are bounded by an armed step watchdog.
 
     :func:`op_timeout` then gives them no per-op timeout of their own (see
-    :mod:`tf1_syncbn._guards`, which arms the watchdog).
+    :mod:`tf1_syncbn._sync.guards`, which arms the watchdog).
     """
     previous = getattr(_LOCAL, 'watched', False)
     _LOCAL.watched = bool(flag)
@@ -111,26 +110,3 @@ def op_timeout(timeout):
     when a timeout was asked for.
     """
     return 0.0 if getattr(_LOCAL, 'watched', False) else timeout
-
-
-def stall_shutdown_seconds(environ=None):
-    """Seconds after which Horovod's stall inspector shuts a stalled job down (0: never).
-
-    Read from the environment as Horovod reads it at ``hvd.init()`` (C
-    ``strtol``): ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``, 0 when unset, when
-    ``HOROVOD_STALL_CHECK_DISABLE`` is a positive number, or when it is below
-    ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (default 60), where Horovod ignores it.
-    """
-    environ = os.environ if environ is None else environ
-
-    def number(name, default):
-        if name not in environ:
-            return default
-        match = re.match(r'\s*([+-]?[0-9]+)', environ[name])
-        return int(match.group(1)) if match else 0
-
-    if number('HOROVOD_STALL_CHECK_DISABLE', 0) > 0:
-        return 0
-    shutdown = number('HOROVOD_STALL_SHUTDOWN_TIME_SECONDS', 0)
-    return shutdown if shutdown > 0 and shutdown >= number('HOROVOD_STALL_CHECK_TIME_SECONDS',
-                                                            60) else 0

@@ -16,7 +16,7 @@ For the first machine with NVIDIA GPUs that runs this project. In order:
    if not, the check fails saying why (a CPU-only build; a driver older
    than the CUDA TensorFlow was built for; ``CUDA_VISIBLE_DEVICES``;
    TensorFlow's own log lines about CUDA).
-3. **The GPU tests**, ``tests/test_gpu.py``, in a process of their own per TF
+3. **The GPU tests**, ``tests/gpu/test_gpu.py``, in a process of their own per TF
    behaviour (``TF1_SYNCBN_TEST_BEHAVIOR=v2``, then ``v1``): NCCL (2+
    physical GPUs) and the GPU collective ops, float32/float16/bfloat16,
    NHWC/NCHW, a tensor ``is_training``, renorm. On one GPU the file splits
@@ -113,12 +113,12 @@ def run_steps(python, gpu_count, args, run, steps):
     try:
         for behaviour, title in (('v2', 'TF2-behaviour graph mode'), ('v1', 'TF1 behaviour')):
             junit = os.path.join(folder, behaviour + '.xml')
-            cmd = [python, '-m', 'pytest', '-q', 'tests/test_gpu.py', '--junitxml=' + junit]
+            cmd = [python, '-m', 'pytest', '-q', 'tests/gpu/test_gpu.py', '--junitxml=' + junit]
             shown = 'TF1_SYNCBN_TEST_BEHAVIOR=%s %s' % (behaviour, shell_words(cmd[:-1]))
             print('gpu-check: ' + shown)
             result = run(cmd, env=dict(env, TF1_SYNCBN_TEST_BEHAVIOR=behaviour),
                          timeout=args.timeout, echo=True)
-            step = gpu_report.pytest_step('tests/test_gpu.py, ' + title, shown, result.rc,
+            step = gpu_report.pytest_step('tests/gpu/test_gpu.py, ' + title, shown, result.rc,
                                           result.seconds, result.output, junit)
             steps.append(step._replace(details=step.details + known_problems(
                 result.output, step.status == 'FAIL')))

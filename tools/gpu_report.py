@@ -3,7 +3,7 @@
 Standard library only (``tools/gpu_check.py`` runs before any environment
 with TensorFlow exists). The pure parts (:func:`parse_junit`,
 :func:`render_report`, :func:`report_path`) are tested with fake inputs in
-``tests/test_gpu_check.py``.
+``tests/gpu/test_gpu_check.py``.
 """
 
 import collections

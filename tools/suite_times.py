@@ -1,7 +1,7 @@
 """Where a test run's time went: tables from the files ``make test`` writes.
 
 Each pass of ``make test`` writes ``.suite-times/<behaviour>.json`` (the
-pytest plugin ``tests/suite_times.py``: every test's wall time and the CPU
+pytest plugin ``tests/support/suite_times.py``: every test's wall time and the CPU
 time of its process and the children it waited for). This prints, per file,
 the pass's wall time and summed test time, its slowest tests and each
 module's share, as Markdown tables for ``docs/testing.md``::

@@ -13,7 +13,7 @@ import tensorflow as tf
 from tensorflow.python.ops import variable_scope as _vs
 
 from tower import harness
-from tower._state import full_name_scope, get_graph_state, root_graph
+from tower.graph_state import full_name_scope, get_graph_state, root_graph
 
 __all__ = ['TowerContext', 'get_current_tower_context', 'strip_tower_prefix',
            'tower_index_from_name']

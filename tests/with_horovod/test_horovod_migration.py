@@ -7,7 +7,7 @@ runs on 2 processes; process 0's checkpoint holds what the same model,
 trained with tf.layers' own ``BatchNormalization`` (``fused=False``) and the
 plain optimizer on one device with the whole batch, holds: every variable,
 the moving statistics and the optimizer's slots included. The block is marked
-``# Fragment`` for ``tests/test_readme.py`` (which runs blocks without
+``# Fragment`` for ``tests/project/test_readme.py`` (which runs blocks without
 Horovod); this test runs it. As ``test_readme`` runs the pages' blocks: the
 block's own ``disable_eager_execution()`` in the TF2-behaviour pass,
 ``disable_v2_behavior()`` prepended in the TF1 pass.

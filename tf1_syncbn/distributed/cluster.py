@@ -137,7 +137,7 @@ def _check_communication_hint(hint, device_type, owner):
             "on CPUs. Use communication_hint='auto' or 'ring' on CPUs." % (owner, device_type))
 
 
-def _check_seconds(value, owner, name, allow_zero):
+def check_seconds(value, owner, name, allow_zero):
     """A finite number of seconds (> 0, or >= 0 with ``allow_zero``), as a float."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
             math.isnan(value) or math.isinf(value) or value < 0 or \
@@ -147,7 +147,8 @@ def _check_seconds(value, owner, name, allow_zero):
     return float(value)
 
 
-def _parse_address(address, what):
+def parse_address(address, what):
+    """``(host, port)`` of ``'host:port'`` (``[::1]:port`` too); ``what`` names it in errors."""
     if not isinstance(address, str) or ':' not in address:
         raise ValueError('%s: expected "host:port", got %r.' % (what, address))
     host, _, port = address.rpartition(':')
@@ -274,7 +275,7 @@ def setup_cluster(towers=1, hosts=None, task=None, device_type='CPU', collective
         collective_timeout = DEFAULT_TIMEOUT
     collective_timeout = validate_timeout(collective_timeout, 'setup_cluster',
                                           'collective_timeout')
-    startup_timeout = _check_seconds(startup_timeout, 'setup_cluster', 'startup_timeout',
+    startup_timeout = check_seconds(startup_timeout, 'setup_cluster', 'startup_timeout',
                                      allow_zero=False)
     _check_communication_hint(communication_hint, device_type, 'setup_cluster')
     if gpu_memory_growth is not None and not isinstance(gpu_memory_growth, bool):
@@ -317,7 +318,7 @@ def _resolve(hosts, task):
         if not hosts:
             raise ValueError('setup_cluster: hosts is empty.')
         for h in hosts:
-            _parse_address(h, 'setup_cluster: hosts')
+            parse_address(h, 'setup_cluster: hosts')
         if isinstance(task, bool) or not isinstance(task, int) or not 0 <= task < len(hosts):
             raise ValueError('setup_cluster: task must be an int in [0, %d) with hosts=%r, got %r.'
                              % (len(hosts), hosts, task))

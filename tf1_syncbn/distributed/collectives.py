@@ -1,7 +1,7 @@
 """Cross-worker collectives: packed gradient all-reduce, sparse gathers, broadcast, metrics.
 
 Every collective here waits for this worker's step watchdog
-(:mod:`tf1_syncbn._guards`), which bounds the step by the cluster's
+(:mod:`tf1_syncbn._sync.guards`), which bounds the step by the cluster's
 ``collective_timeout``; without the compiled library each collective carries
 TensorFlow's per-op timeout instead."""
 
@@ -11,7 +11,7 @@ import weakref
 
 import tensorflow as tf
 
-from tf1_syncbn import _guards
+from tf1_syncbn._sync import guards as _guards
 from tf1_syncbn.backends import stable_hash
 from tf1_syncbn.timeouts import op_timeout, validate_timeout, watched
 from tower.training import average_gradients, check_tower_grads
@@ -83,7 +83,7 @@ def _all_reduce_packed(tensors, cluster, key):
 
 
 def _step_watchdog(cluster):
-    """The step watchdog of this worker (:func:`tf1_syncbn._guards.step_watchdog`), as ops.
+    """The step watchdog of this worker (:func:`tf1_syncbn._sync.guards.step_watchdog`), as ops.
 
     Empty without the compiled library or a timeout: the collectives then
     carry TensorFlow's per-op timeout (see :func:`tf1_syncbn.timeouts.op_timeout`).

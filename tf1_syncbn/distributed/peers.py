@@ -3,14 +3,14 @@
 import time
 import socket
 
-from tf1_syncbn.distributed.cluster import _parse_address
+from tf1_syncbn.distributed.cluster import parse_address
 from tf1_syncbn.distributed.errors import PeerMissingError
 
 __all__ = ['unreachable_peers', 'wait_for_peers']
 
 
 def _reachable(address, timeout=1.0):
-    host, port = _parse_address(address, 'address')
+    host, port = parse_address(address, 'address')
     try:
         with socket.create_connection((host, port), timeout=timeout):
             return True

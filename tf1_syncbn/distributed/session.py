@@ -8,10 +8,10 @@ import time
 
 import tensorflow as tf
 
-from tf1_syncbn.distributed.cluster import _check_seconds
+from tf1_syncbn.distributed.cluster import check_seconds
 from tf1_syncbn.distributed.collectives import broadcast_variables
-from tf1_syncbn.distributed.errors import (EXIT_STARTUP_HANG, PeerMissingError,
-                                           WorkerLostError, hard_exit)
+from tf1_syncbn.distributed.errors import (EXIT_STARTUP_HANG, PeerMissingError, WorkerLostError,
+                                           hard_exit)
 from tf1_syncbn.distributed.peers import unreachable_peers, wait_for_peers
 from tf1_syncbn.restarts import RESTART_COUNT_ENV, start_line
 
@@ -171,9 +171,9 @@ class WorkerSession(object):
                  graph=None, max_to_keep=5, restore=True, init_fn=None, hang_timeout=None,
                  restore_timeout=DEFAULT_RESTORE_TIMEOUT):
         if hang_timeout is not None:
-            hang_timeout = _check_seconds(hang_timeout, 'WorkerSession', 'hang_timeout',
+            hang_timeout = check_seconds(hang_timeout, 'WorkerSession', 'hang_timeout',
                                           allow_zero=False)
-        self.restore_timeout = _check_seconds(restore_timeout, 'WorkerSession',
+        self.restore_timeout = check_seconds(restore_timeout, 'WorkerSession',
                                               'restore_timeout', allow_zero=True)
         self.cluster = cluster
         self._restore = restore

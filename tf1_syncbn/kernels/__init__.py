@@ -67,6 +67,9 @@ _ALLOWED = os.environ.get('TF1_SYNCBN_KERNELS', '1') != '0'   # build and load t
 _ENABLED = [_ALLOWED]                                           # the layers use its kernels
 _OPT_FLAGS = ['-O3', '-shared', '-fPIC']
 _OP_TYPES = ('SyncBnMoments', 'SyncBnNormalize', 'SyncBnGradSums', 'SyncBnGradInput')
+#: What every op type of the compiled library starts with (the four kernels
+#: above and the step watchdog, ``SyncBnStepWatchdog``).
+OP_TYPE_PREFIX = 'SyncBn'
 
 
 def enabled():

@@ -1,0 +1,59 @@
+"""The exactness and name-scope harness tests on the stock kernel set with oneDNN off.
+
+The exactness, numerics and formats modules run their tests on both kernel
+sets in the test process (the ``kernel_impl`` fixture, with TensorFlow's
+oneDNN rewrites on, as on any CPU); the name-scope harness module on the
+compiled kernels (``without_onednn.kernel_sets``). GPU towers run the stock
+set on TensorFlow's plain kernels, whose CPU stand-in is
+``TF_ENABLE_ONEDNN_OPTS=0 TF1_SYNCBN_KERNELS=0``: read at process start, so
+the modules' stock cases run again in one child pytest (``without_onednn``);
+each module's test names every failing case of it with its error. (The parity
+modules run their own child, which reuses their reference results.)
+"""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+import tf_behavior
+from without_onednn import ChildRun, count_kernel_cases
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The TF1-behaviour pass (tf_behavior.pick): exactness (every path) and formats (every
+# rank and layout: Dimension shapes); the parity modules run their own stock child.
+MODULES = tf_behavior.pick(['compute/test_exactness.py', 'compute/test_numerics.py',
+                            'compute/test_formats.py', 'tower/test_tower_name_scopes.py',
+                            'sync/test_sync_groups.py'],
+                           ['compute/test_exactness.py', 'compute/test_formats.py'])
+
+
+def _module(path):
+    """The test module at ``path`` (under tests/), imported under its file's name as pytest does."""
+    name = os.path.splitext(os.path.basename(path))[0]
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(TESTS, path))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
+
+
+@pytest.fixture(scope='module')
+def child(tmp_path_factory):
+    """One child run over every module (one interpreter start for all)."""
+    files = [_module(path).__file__ for path in MODULES]
+    return ChildRun(files, tmp_path_factory.mktemp('stock_without_onednn'))
+
+
+@pytest.mark.parametrize('name', MODULES)
+def test_stock_kernels_without_onednn(name, child):
+    module = _module(name)
+    expected = count_kernel_cases(module)
+    assert expected > 0, '%s has no test on both kernel sets' % name
+    child.check(module.__file__, expected)

@@ -1,0 +1,327 @@
+"""The shape of the code: who may import whom, no circles, no private imports across packages.
+
+Read from the source with ``ast``: every import of a ``tf1_syncbn`` or
+``tower`` module counts, including imports inside functions (a circle that
+only closes at call time is still a circle for a reader).
+
+A *package* here is ``tower``, a package or module right under
+``tf1_syncbn`` (``tf1_syncbn.slim``, ``tf1_syncbn.timeouts``), or
+``tf1_syncbn`` itself (its ``__init__``). :data:`LAYERS` says which packages
+each may import (docs/design.md draws them); every package of the tree must
+be listed, so a new one is placed on purpose. Besides:
+
+* no circle between modules, and none between packages;
+* no private import across packages: a module of one package imports no
+  name starting with ``_`` from another, and no ``_`` module of it, except
+  the library's internals (:data:`INTERNALS`: ``tf1_syncbn._core``,
+  ``._sync``, ``._compute``), which its own packages import;
+* ``tower`` imports nothing of ``tf1_syncbn``.
+"""
+
+import ast
+import os
+
+import pytest
+
+#: The source tree, whatever the TF behaviour: the TF2-behaviour pass only.
+pytestmark = pytest.mark.once
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACKAGES = ('tf1_syncbn', 'tower')
+#: The most modules right under tf1_syncbn/ (issue 34: "at most about a dozen").
+MAX_TOP_MODULES = 12
+#: The library's private packages: its internals, which its own packages may import.
+INTERNALS = ('tf1_syncbn._core', 'tf1_syncbn._sync', 'tf1_syncbn._compute', 'tf1_syncbn._cli')
+
+_FRONT_END = {'tf1_syncbn._core', 'tf1_syncbn.backends', 'tf1_syncbn.errors',
+              'tf1_syncbn.timeouts', 'tower'}
+#: What imports what: package -> the packages it may import (besides itself).
+#: ``'*'``: every package (what users import or run reaches anything).
+LAYERS = {
+    # The leaves: they import nothing of ours.
+    'tower': set(),
+    'tf1_syncbn.errors': set(),
+    'tf1_syncbn.timeouts': set(),
+    # The launcher's restart policy (launch.py runs as a plain script too: no TensorFlow).
+    'tf1_syncbn.restarts': set(),
+    # The commands' parsers, answering --help before TensorFlow loads: the standard library.
+    'tf1_syncbn._cli': set(),
+    'tf1_syncbn.kernels': {'tf1_syncbn._cli'},
+    # Communication, then computation, then synchronization, then the core.
+    'tf1_syncbn.backends': {'tf1_syncbn.timeouts', 'tf1_syncbn.errors'},
+    'tf1_syncbn._compute': {'tf1_syncbn.backends', 'tf1_syncbn.timeouts', 'tower'},
+    'tf1_syncbn.kernel_sets': {'tf1_syncbn._compute', 'tf1_syncbn.kernels', 'tower'},
+    'tf1_syncbn._sync': {'tf1_syncbn._compute', 'tf1_syncbn.backends', 'tf1_syncbn.timeouts',
+                         'tf1_syncbn.errors', 'tf1_syncbn.kernels', 'tower'},
+    'tf1_syncbn._core': {'tf1_syncbn._sync', 'tf1_syncbn._compute', 'tf1_syncbn.kernel_sets',
+                         'tf1_syncbn.backends', 'tf1_syncbn.timeouts', 'tf1_syncbn.errors',
+                         'tower'},
+    # The front-ends: the core and the public leaves, never each other.
+    'tf1_syncbn.slim': _FRONT_END,
+    'tf1_syncbn.tensorpack': _FRONT_END,
+    'tf1_syncbn.layers': _FRONT_END,
+    'tf1_syncbn.keras': _FRONT_END,
+    # Beside the layers: the audit reads graphs only (not the core that builds them).
+    'tf1_syncbn.audit': {'tf1_syncbn._cli', 'tf1_syncbn.backends', 'tf1_syncbn.errors', 'tower'},
+    'tf1_syncbn.export': {'tf1_syncbn._core', 'tf1_syncbn._compute', 'tf1_syncbn.backends',
+                          'tf1_syncbn.errors', 'tf1_syncbn.kernels'},
+    'tf1_syncbn.distributed': {'tf1_syncbn._sync', 'tf1_syncbn.backends', 'tf1_syncbn.timeouts',
+                               'tf1_syncbn.errors', 'tf1_syncbn.restarts', 'tower'},
+    # What users import or run.
+    'tf1_syncbn.launch': {'tf1_syncbn.restarts'},
+    'tf1_syncbn.selftest': '*',
+    'tf1_syncbn': '*',
+}
+
+
+def _modules():
+    """``{module name: path}`` of every module of the packages."""
+    found = {}
+    for package in PACKAGES:
+        for folder, _, files in os.walk(os.path.join(ROOT, package)):
+            for name in files:
+                if not name.endswith('.py'):
+                    continue
+                path = os.path.join(folder, name)
+                parts = os.path.relpath(path, ROOT)[:-3].split(os.sep)
+                if parts[-1] == '__init__':
+                    parts = parts[:-1]
+                found['.'.join(parts)] = path
+    return found
+
+
+def _sources():
+    """``{module name: source}`` of the tree."""
+    sources = {}
+    for name, path in _modules().items():
+        with open(path) as f:
+            sources[name] = f.read()
+    return sources
+
+
+def _imports(source, modules):
+    """``[(module, names)]``: each import of a module of ``modules`` in ``source``, anywhere.
+
+    ``from package import submodule`` imports the submodule (not the
+    package); ``names`` are the names imported from a module (empty for
+    ``import module``).
+    """
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.extend((alias.name, ()) for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = []
+            for alias in node.names:
+                submodule = '%s.%s' % (node.module, alias.name)
+                if submodule in modules:
+                    found.append((submodule, ()))
+                else:
+                    names.append(alias.name)
+            if names and node.module in modules:
+                found.append((node.module, tuple(names)))
+    return found
+
+
+def package_of(module):
+    """The package (see the module docstring) a module belongs to."""
+    parts = module.split('.')
+    return '.'.join(parts[:1 if parts[0] == 'tower' else 2])
+
+
+def _module_graph(sources):
+    """``{module: {imported modules}}``, a module's own package ``__init__`` left out.
+
+    Importing a module imports its packages' ``__init__`` first, which
+    re-export their members: that is no dependency of the member.
+    """
+    graph = {}
+    for name, source in sources.items():
+        graph[name] = {target for target, _ in _imports(source, sources)
+                       if target != name and not name.startswith(target + '.')}
+    return graph
+
+
+def _package_graph(sources):
+    graph = {}
+    for name, targets in _module_graph(sources).items():
+        graph.setdefault(package_of(name), set()).update(
+            package_of(t) for t in targets if package_of(t) != package_of(name))
+    return graph
+
+
+def _cycles(graph):
+    """Every elementary cycle found by depth-first search (each reported once)."""
+    cycles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = 'active'
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 'active':
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack)
+        stack.pop()
+        state[node] = 'done'
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    return cycles
+
+
+def layering_violations(sources, layers=None):
+    """``['module imports target: why']`` for every import :data:`LAYERS` does not allow."""
+    layers = LAYERS if layers is None else layers
+    found = []
+    for name, source in sorted(sources.items()):
+        package = package_of(name)
+        allowed = layers.get(package)
+        if allowed == '*':
+            allowed = set(layers) - {package}
+        for target, _ in _imports(source, sources):
+            other = package_of(target)
+            if other == package:
+                continue
+            if allowed is None:
+                found.append('%s: its package %s has no place in LAYERS' % (name, package))
+            elif other not in allowed:
+                found.append('%s imports %s: %s may import %s' % (
+                    name, target, package,
+                    ', '.join(sorted(allowed)) + ' only' if allowed else 'nothing of ours'))
+    return found
+
+
+def private_violations(sources):
+    """``['module imports target.name: why']`` for every private import across packages."""
+    found = []
+    for name, source in sorted(sources.items()):
+        package = package_of(name)
+        for target, names in _imports(source, sources):
+            other = package_of(target)
+            if other == package:
+                continue
+            inside = target.split('.')[len(other.split('.')):]
+            internal = other in INTERNALS and package.startswith('tf1_syncbn')
+            if other.split('.')[-1].startswith('_') and not internal:
+                found.append('%s imports %s: a private package of tf1_syncbn' % (name, target))
+            if any(part.startswith('_') for part in inside):
+                found.append('%s imports %s: a private module of %s' % (name, target, other))
+            found.extend('%s imports %s.%s: a private name of %s' % (name, target, n, other)
+                         for n in names if n.startswith('_') and not n.startswith('__'))
+    return found
+
+
+def top_level_problems(modules):
+    """What is wrong with the modules right under ``tf1_syncbn/`` (their names)."""
+    top = sorted(m for m in modules if m.count('.') == 1 and m.startswith('tf1_syncbn.'))
+    problems = ['tf1_syncbn/%s.py is private: it belongs in a package (the top holds only '
+                'what users import or run)' % m.split('.')[1]
+                for m in top if m.split('.')[1].startswith('_')]
+    if len(top) > MAX_TOP_MODULES:
+        problems.append('%d modules at the top of tf1_syncbn/ (at most %d): %s' % (
+            len(top), MAX_TOP_MODULES, ', '.join(top)))
+    return problems
+
+
+def _top_modules():
+    """The top of ``tf1_syncbn/``: its ``.py`` files (packages are folders, not counted)."""
+    folder = os.path.join(ROOT, 'tf1_syncbn')
+    return ['tf1_syncbn.' + n[:-3] for n in os.listdir(folder)
+            if n.endswith('.py') and n != '__init__.py']
+
+
+def test_the_top_of_tf1_syncbn_holds_a_dozen_public_modules_at_most():
+    assert top_level_problems(_top_modules()) == []
+
+
+def test_the_top_level_checker_finds_private_and_too_many_modules():
+    assert top_level_problems(['tf1_syncbn._moments', 'tf1_syncbn.timeouts',
+                               'tf1_syncbn.slim.layer']) == [
+        'tf1_syncbn/_moments.py is private: it belongs in a package (the top holds only what '
+        'users import or run)']
+    many = ['tf1_syncbn.m%02d' % i for i in range(MAX_TOP_MODULES + 1)]
+    assert len(top_level_problems(many)) == 1
+    assert top_level_problems(many[:-1]) == []
+
+
+def test_every_package_has_its_place_in_the_layers():
+    packages = {package_of(m) for m in _modules()}
+    assert packages == set(LAYERS), 'add new packages to LAYERS (and docs/design.md)'
+
+
+def test_who_may_import_whom():
+    assert layering_violations(_sources()) == []
+
+
+def test_no_private_imports_across_packages():
+    assert private_violations(_sources()) == []
+
+
+def test_no_import_circles_between_modules():
+    assert _cycles(_module_graph(_sources())) == []
+
+
+def test_no_import_circles_between_packages():
+    assert _cycles(_package_graph(_sources())) == []
+
+
+#: A small tree with one violation of each kind (and a module that breaks none).
+SYNTHETIC = {
+    'tower': '',
+    'tower.context': 'from tf1_syncbn.errors import SyncBNWarning\n',
+    'tf1_syncbn': 'from tf1_syncbn.slim import layer\n',
+    'tf1_syncbn.errors': '',
+    'tf1_syncbn.slim': '', 'tf1_syncbn.keras': '', 'tf1_syncbn.audit': '',
+    'tf1_syncbn.distributed': '', 'tf1_syncbn._core': '', 'tf1_syncbn._sync': '',
+    'tf1_syncbn.slim.layer': ('from tf1_syncbn._core.call import batch_norm\n'
+                              'def f():\n    from tf1_syncbn.keras.layer import BN\n'),
+    'tf1_syncbn.keras.layer': 'from tf1_syncbn.errors import SyncBNWarning\n',
+    'tf1_syncbn.audit.rules': 'import tf1_syncbn._core.call\n',
+    'tf1_syncbn.distributed.peers': ('from tf1_syncbn.keras.layer import _keras_bn\n'
+                                     'from tf1_syncbn.slim._private import x\n'),
+    'tf1_syncbn.slim._private': '',
+    'tf1_syncbn._core.call': 'from tf1_syncbn._sync import group\n',
+    'tf1_syncbn._sync.group': 'from tf1_syncbn._core.call import batch_norm\n',
+}
+
+
+def test_the_checkers_find_each_kind_of_violation():
+    layers = dict(LAYERS, **{'tf1_syncbn.distributed': {'tf1_syncbn.keras', 'tf1_syncbn.slim'}})
+    assert layering_violations(SYNTHETIC, layers) == [
+        'tf1_syncbn._sync.group imports tf1_syncbn._core.call: tf1_syncbn._sync may import '
+        'tf1_syncbn._compute, tf1_syncbn.backends, tf1_syncbn.errors, tf1_syncbn.kernels, '
+        'tf1_syncbn.timeouts, tower only',
+        'tf1_syncbn.audit.rules imports tf1_syncbn._core.call: tf1_syncbn.audit may import '
+        'tf1_syncbn._cli, tf1_syncbn.backends, tf1_syncbn.errors, tower only',
+        'tf1_syncbn.slim.layer imports tf1_syncbn.keras.layer: tf1_syncbn.slim may import '
+        'tf1_syncbn._core, tf1_syncbn.backends, tf1_syncbn.errors, tf1_syncbn.timeouts, '
+        'tower only',
+        'tower.context imports tf1_syncbn.errors: tower may import nothing of ours']
+    assert private_violations(SYNTHETIC) == [
+        'tf1_syncbn.distributed.peers imports tf1_syncbn.keras.layer._keras_bn: a private '
+        'name of tf1_syncbn.keras',
+        'tf1_syncbn.distributed.peers imports tf1_syncbn.slim._private: a private module of '
+        'tf1_syncbn.slim']
+    assert _cycles(_module_graph(SYNTHETIC)) == [
+        ['tf1_syncbn._core.call', 'tf1_syncbn._sync.group', 'tf1_syncbn._core.call']]
+    assert _cycles(_package_graph(SYNTHETIC)) == [
+        ['tf1_syncbn._core', 'tf1_syncbn._sync', 'tf1_syncbn._core']]
+    assert layering_violations({'tf1_syncbn.new': ''}) == []       # no import: nothing to say
+    assert layering_violations({'tf1_syncbn.new': 'import tower\n', 'tower': ''}) == [
+        'tf1_syncbn.new: its package tf1_syncbn.new has no place in LAYERS']
+    assert private_violations({'tower.x': 'from tf1_syncbn._core import call\n',
+                               'tf1_syncbn._core': '', 'tf1_syncbn._core.call': ''}) == [
+        'tower.x imports tf1_syncbn._core.call: a private package of tf1_syncbn']
+
+
+def test_the_checkers_pass_a_tree_that_keeps_the_rules():
+    tree = {'tower': '', 'tower.context': 'import tower.graph_state\n', 'tower.graph_state': '',
+            'tf1_syncbn._core': '', 'tf1_syncbn.slim': '',
+            'tf1_syncbn._core.call': 'from tower.graph_state import get_graph_state\n',
+            'tf1_syncbn.slim.layer': ('from tf1_syncbn._core.call import batch_norm\n'
+                                      'from tf1_syncbn.slim import _helper\n'),
+            'tf1_syncbn.slim._helper': ''}
+    assert layering_violations(tree) == [] and private_violations(tree) == []
+    assert _cycles(_module_graph(tree)) == [] and _cycles(_package_graph(tree)) == []

@@ -1,0 +1,125 @@
+"""``group_size`` reaches the core from every front-end and through every switch.
+
+One cheap forward step per front-end: 4 towers in groups of 2, each group's
+outputs against float64 batch norm on its concatenated batch (the groups'
+data differ, so full sync or none would not match). The exactness of the
+groups themselves is tests/sync/test_sync_groups.py's.
+"""
+
+import importlib
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from bn_reference import bn_forward, split_batches
+from conftest import make_session
+from tower import call_for_each_tower
+
+tf1 = tf.compat.v1
+SIZES = [2, 3, 1, 2]
+CHANNELS = 3
+
+
+def _slim(x):
+    from tf1_syncbn import sync_batch_norm
+    return sync_batch_norm(x, group_size=2, sync_statistics='collective')
+
+
+def _sync_arg_scope(x):
+    import tf_slim as slim
+
+    from tf1_syncbn import sync_arg_scope
+    with sync_arg_scope(group_size=2, sync_statistics='collective'):
+        return slim.batch_norm(x, is_training=True)
+
+
+def _tensorpack(x):
+    from tf1_syncbn.tensorpack import BatchNorm
+    return BatchNorm('bn', x, training=True, epsilon=1e-3, group_size=2,
+                     sync_statistics='collective')
+
+
+def _tensorpack_renorm(x):
+    from tf1_syncbn.tensorpack import BatchRenorm
+    return BatchRenorm('bn', x, 1.0, 0.0, training=True, epsilon=1e-3, group_size=2,
+                       sync_statistics='collective')
+
+
+def _patch_tensorpack(x):
+    import tensorpack
+
+    from tf1_syncbn import patch_tensorpack
+    with patch_tensorpack(sync_statistics='collective', group_size=2, epsilon=1e-3):
+        return tensorpack.models.BatchNorm('bn', x, training=True)
+
+
+def _layers(x):
+    from tf1_syncbn import layers
+    return layers.batch_normalization(x, training=True, name='bn', reuse=tf1.AUTO_REUSE,
+                                      group_size=2, sync_statistics='collective')
+
+
+def _patch_tf_layers(x):
+    from tf1_syncbn import patch_tf_layers
+    with patch_tf_layers(group_size=2, sync_statistics='collective'):
+        return tf1.layers.batch_normalization(x, training=True, name='bn', reuse=tf1.AUTO_REUSE)
+
+
+_KERAS = {}
+
+
+def _keras(x):
+    from tf1_syncbn import keras as sync_keras
+    if 'layer' not in _KERAS:
+        _KERAS['layer'] = sync_keras.BatchNormalization(group_size=2,
+                                                        sync_statistics='collective')
+    return _KERAS['layer'](x, training=True)
+
+
+def _patch_keras(x):
+    from tf1_syncbn import keras as sync_keras
+    if 'patched' not in _KERAS:
+        with sync_keras.patch_keras(group_size=2, sync_statistics='collective'):
+            _KERAS['patched'] = importlib.import_module(
+                sync_keras.KERAS_PACKAGE).layers.BatchNormalization()
+    return _KERAS['patched'](x, training=True)
+
+
+def _moments(x):
+    import tf1_syncbn
+    mean, variance = tf1_syncbn.moments(x, [0], group_size=2, sync_statistics='collective')
+    return (x - mean) / tf.sqrt(variance + 1e-3)
+
+
+FRONT_ENDS = {'sync_batch_norm': _slim, 'sync_arg_scope': _sync_arg_scope,
+              'tensorpack.BatchNorm': _tensorpack, 'tensorpack.BatchRenorm': _tensorpack_renorm,
+              'patch_tensorpack': _patch_tensorpack, 'layers': _layers,
+              'patch_tf_layers': _patch_tf_layers, 'keras': _keras, 'patch_keras': _patch_keras,
+              'moments': _moments}
+
+
+@pytest.mark.once
+@pytest.mark.filterwarnings('ignore:patch_keras:UserWarning')
+@pytest.mark.parametrize('front_end', sorted(FRONT_ENDS))
+def test_group_size_reaches_every_front_end(graph, rng, front_end):
+    _KERAS.clear()
+    xs, ys = [], []
+
+    def tower():
+        x = tf1.placeholder(tf.float32, [None, CHANNELS])
+        xs.append(x)
+        ys.append(FRONT_ENDS[front_end](x))
+
+    call_for_each_tower(tower, ['/cpu:%d' % i for i in range(4)])
+    x = rng.randn(sum(SIZES), CHANNELS)
+    x[sum(SIZES[:2]):] = x[sum(SIZES[:2]):] * 4 + 3
+    parts = split_batches(x.astype(np.float32), SIZES)
+    with make_session(graph, 4) as sess:
+        sess.run(tf1.global_variables_initializer())
+        got = sess.run(ys, dict(zip(xs, parts)))
+    for members in ([0, 1], [2, 3]):
+        expected = bn_forward(np.concatenate([parts[t] for t in members]), np.ones(CHANNELS),
+                              np.zeros(CHANNELS), 1e-3)['y']
+        np.testing.assert_allclose(np.concatenate([got[t] for t in members]), expected,
+                                   rtol=1e-4, atol=1e-4, err_msg=front_end)

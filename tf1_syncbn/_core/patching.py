@@ -1,0 +1,292 @@
+"""The one base of the four patches, :class:`Patch`, and what each checks: the names users call.
+
+:func:`tf1_syncbn.patch_tf_layers`, :func:`tf1_syncbn.patch_tensorpack`,
+:func:`tf1_syncbn.keras.patch_keras` and :func:`tf1_syncbn.sync_arg_scope`
+(:func:`~tf1_syncbn.slim.patch_slim_batch_norm`) replace another library's
+batch normalization wherever they can find it, each by a subclass of
+:class:`Patch`, which gives them the same life:
+
+* :meth:`Patch.apply` holds the kind's process lock, refuses a second active
+  patch of an exclusive kind (``RuntimeError``), runs the subclass's
+  ``_apply`` (which changes things only through :meth:`Patch._set`,
+  :meth:`Patch._set_item` and :meth:`Patch._on_undo`, so that every change
+  has its undo), undoes everything when ``_apply`` raises, and then verifies;
+* :meth:`Patch.restore` undoes, in reverse order, once (idempotent);
+* a patch is a context manager: ``with patch_tf_layers(): ...`` restores at
+  the end of the block.
+
+A TensorFlow or Keras release that hands the layer out some other way would
+leave the user's code on the original layer, training with per-tower
+statistics, silently. So each patch ends by resolving, the way user code does,
+every name it promises (:class:`Name`: ``tf.compat.v1.layers.batch_normalization``,
+``tf.keras.layers.BatchNormalization``, tensorpack's ``BatchNorm`` as
+``LinearWrap`` finds it, ``slim.batch_norm`` ...), and :meth:`Patch.verify`
+(:func:`verify`) raises :class:`~tf1_syncbn.errors.PatchError` naming each one
+that is not the library's, the TensorFlow and Keras versions, and what to do
+instead. The patch undoes itself first.
+"""
+
+import threading
+
+from tf1_syncbn._core import keras2 as _keras2
+from tf1_syncbn._core.modules import namespace
+from tf1_syncbn.errors import PatchError
+
+__all__ = ['Patch', 'ABSENT', 'Name', 'failures', 'getattr_path', 'verify']
+
+#: What a resolver returns for a name that this TensorFlow/Keras does not have
+#: at all (nothing to switch, nothing to check).
+ABSENT = object()
+
+
+class _Failed(object):
+    """A name whose lookup raised: what it raised."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def __repr__(self):
+        return 'raises %s: %s' % (type(self.error).__name__, self.error)
+
+
+class Name(object):
+    """One way user code reaches a layer.
+
+    Args:
+      spelling: the name as users write it, for messages
+        (``'tf.compat.v1.layers.batch_normalization'``).
+      resolve: a callable that returns what that spelling gives now (as user
+        code would get it), or :data:`ABSENT` where this version has no such
+        name. An exception it raises counts as a name that does not resolve.
+      accept: a callable that takes the value and says whether it is the
+        library's.
+    """
+
+    def __init__(self, spelling, resolve, accept):
+        self.spelling = spelling
+        self.resolve = resolve
+        self.accept = accept
+
+    def value(self):
+        try:
+            return self.resolve()
+        except Exception as e:  # noqa: BLE001 - any failure of the lookup is reported
+            return _Failed(e)
+
+
+def getattr_path(root, path):
+    """A resolver: ``root.<path>`` by ``getattr``, as user code's attribute access does.
+
+    ``root`` is a callable returning the object to start from (a module
+    looked up at check time); ``path`` is dotted (``'layers.batch_normalization'``).
+    """
+    def resolve():
+        value = root()
+        for part in path.split('.'):
+            value = getattr(value, part)
+        return value
+    return resolve
+
+
+def _describe(value):
+    if isinstance(value, _Failed):
+        return repr(value)
+    module = getattr(value, '__module__', None)
+    name = getattr(value, '__qualname__', None) or getattr(value, '__name__', None)
+    if isinstance(module, str) and isinstance(name, str):
+        return '%s.%s' % (module, name)
+    return repr(value)
+
+
+def failures(names):
+    """``[(spelling, description of what it resolves to)]`` of the names not accepted."""
+    found = []
+    for name in names:
+        value = name.value()
+        if value is ABSENT:
+            continue
+        if isinstance(value, _Failed) or not name.accept(value):
+            found.append((name.spelling, _describe(value)))
+    return found
+
+
+def verify(api, names, instead, undo=None):
+    """Raises :class:`PatchError` unless every name resolves to the library's layer.
+
+    Args:
+      api: the patch's name, for the message (``'patch_tf_layers'``).
+      names: :class:`Name` objects.
+      instead: what to do instead, a sentence for the message (``'call
+        tf1_syncbn.layers.batch_normalization directly'``).
+      undo: called before raising (the patch undoes itself).
+
+    Raises:
+      PatchError: naming each name that is not the library's, what it is, the
+        TensorFlow and Keras versions, and ``instead``.
+    """
+    found = failures(names)
+    if not found:
+        return
+    if undo is not None:
+        undo()
+    raise PatchError(
+        '%s cannot take effect here (%s): %s. The patch is undone, so nothing is left '
+        'half-switched. Instead, %s.'
+        % (api, _keras2.versions(),
+           '; '.join('%s is still %s, not this library\'s layer' % f for f in found), instead))
+
+
+_MISSING = object()
+
+
+class Patch(object):
+    """One patch: a lock and an active list per kind, an undo list, apply, restore, verify.
+
+    A subclass is one kind of patch. It sets :attr:`api`, :attr:`target`
+    and :attr:`instead`, implements ``_apply()`` (every change through
+    :meth:`_set`, :meth:`_set_item` or :meth:`_on_undo`) and, for the check,
+    :meth:`user_names`. Each subclass gets its own process lock (held while
+    it applies or restores) and its own list of active patches.
+
+    Attributes:
+      api: the public function, for messages (``'patch_tf_layers'``).
+      target: what it patches, for the message of a second patch
+        (``'tf.compat.v1.layers'``).
+      instead: what to do where the patch cannot take effect, a sentence for
+        :class:`~tf1_syncbn.errors.PatchError`.
+      exclusive: one active patch of this kind at a time (a second one raises
+        ``RuntimeError``); False where patches nest (reference-counted).
+    """
+
+    api = None
+    target = None
+    instead = None
+    exclusive = True
+    _lock = threading.Lock()
+    _active_patches = []
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._lock = threading.Lock()
+        cls._active_patches = []
+
+    def __init__(self):
+        self._undo = []          # callables, run in reverse by restore()
+        self._active = False
+
+    @property
+    def active(self):
+        """Whether the patch is applied and not restored."""
+        return self._active
+
+    def _apply(self):
+        """Makes the changes (through :meth:`_set`, :meth:`_set_item`, :meth:`_on_undo`)."""
+        raise NotImplementedError
+
+    def user_names(self):
+        """The :class:`Name` objects :meth:`verify` checks (none by default)."""
+        return []
+
+    def apply(self):
+        """Applies the patch, then verifies it (outside the lock).
+
+        Returns:
+          self.
+
+        Raises:
+          RuntimeError: when the kind is exclusive and a patch of it is active.
+          tf1_syncbn.PatchError: see :meth:`verify` (the patch is undone).
+          Whatever ``_apply`` raises, once everything it changed is undone.
+        """
+        with self._lock:
+            if self.exclusive and self._active_patches:
+                raise RuntimeError('%s: %s is already patched; restore the active patch first.'
+                                   % (self.api, self.target))
+            self._active = True
+            try:
+                self._apply()
+            except BaseException:
+                self._undo_all()
+                raise
+            self._active_patches.append(self)
+        # Outside the lock: looking a name up can import a module whose import
+        # hook the patch installed, and the hook takes the lock.
+        self.verify()
+        return self
+
+    def _on_undo(self, undo):
+        """Remembers ``undo``, a callable that :meth:`restore` runs (in reverse order)."""
+        self._undo.append(undo)
+
+    def _set(self, owner, attribute, value, direct=False):
+        """Sets ``owner.attribute`` to ``value``, remembering how to undo it.
+
+        Args:
+          owner: a module (or another object with a namespace).
+          attribute: the attribute's name.
+          value: the new value.
+          direct: write the object's namespace dict instead of calling
+            ``setattr``: a TensorFlow lazy loader's ``setattr`` would import the
+            module it stands for, and a proxy's may refuse.
+        """
+        space = namespace(owner) if direct else vars(owner)
+        previous = space.get(attribute, _MISSING)
+        if previous is value:
+            return
+        if direct:
+            space[attribute] = value
+        else:
+            setattr(owner, attribute, value)
+
+        def undo():
+            if previous is _MISSING:
+                space.pop(attribute, None)
+            elif direct:
+                space[attribute] = previous
+            else:
+                setattr(owner, attribute, previous)
+        self._on_undo(undo)
+
+    def _set_item(self, mapping, key, value):
+        """Sets ``mapping[key]`` to ``value``, remembering how to undo it."""
+        previous = mapping.get(key, _MISSING)
+        mapping[key] = value
+
+        def undo():
+            if previous is _MISSING:
+                mapping.pop(key, None)
+            else:
+                mapping[key] = previous
+        self._on_undo(undo)
+
+    def _undo_all(self):
+        self._active = False
+        while self._undo:
+            self._undo.pop()()
+
+    def restore(self):
+        """Undoes every change, in reverse order; idempotent."""
+        with self._lock:
+            if not self._active:
+                return
+            self._undo_all()
+            if self in self._active_patches:
+                self._active_patches.remove(self)
+
+    def verify(self, names=None):
+        """Raises :class:`~tf1_syncbn.errors.PatchError` unless every name is the library's.
+
+        Args:
+          names: :class:`Name` objects (default: :meth:`user_names`).
+
+        The patch is restored before it raises.
+        """
+        verify(self.api, self.user_names() if names is None else names, self.instead,
+               undo=self.restore)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.restore()
+        return False

@@ -1,0 +1,384 @@
+"""Which tower a layer call is built in, and which group it synchronizes with.
+
+The layers never ask a harness directly: :func:`tower.get_current_tower_context`
+gives this library's ``TowerContext`` or another harness's tower (tensorpack's,
+a ``tf.distribute`` replica) through :mod:`tower.harness`, and a name scope
+gives the tower of scripts without tower objects (``tower_<i>``,
+``clone_<i>``, registered patterns). :func:`find_group` reads them;
+:func:`choose_backend` turns ``sync_statistics`` into a backend for that
+group, and refuses, or warns, rather than normalize with one tower's
+statistics when the group cannot be told. :func:`check_untowered_copies`
+does the same for a tower loop it cannot see at all: one layer trained by
+copies on several devices, outside any tower it can name.
+"""
+
+import collections
+import warnings
+
+import tensorflow as tf
+
+from tf1_syncbn import backends
+from tf1_syncbn._sync.registry import base_name, get_registry
+from tf1_syncbn.errors import SyncBNWarning
+from tower import get_current_tower_context, tower_index_from_name
+from tower.graph_state import full_name_scope, get_graph_state
+
+tf1 = tf.compat.v1
+
+__all__ = ['Group', 'find_group', 'choose_backend', 'check_untowered_copies',
+           'canonical_device', 'current_device', 'SyncGroup', 'sync_groups', 'find_sync_group']
+
+
+class Group(collections.namedtuple('Group', ['ctx', 'index', 'towers', 'main', 'call',
+                                             'workers', 'replicated_updates'])):
+    """Where a layer call is built.
+
+    Attributes:
+      ctx: the tower context (this library's, or another harness's seen
+        through :class:`tower.harness.HarnessTowerContext`), or None.
+      index: the tower's index (0 outside any tower).
+      towers: the number of towers of this graph in the group: the context's
+        ``total``, or ``num_dev`` for name-scope towers, 1 outside any tower,
+        and None when the name scope says "tower" but nothing says how many.
+      main: whether this call builds the moving-average updates (the main
+        training tower).
+      call: the call's name, the same in every tower (see
+        :meth:`tf1_syncbn._sync.registry.CallRegistry.call_name`); an inference
+        call (``is_training=False``) takes no index: ``'<base>:inference'``.
+      workers: how many processes build ``towers`` towers each into the group
+        (a ``tf.distribute`` multi-worker strategy; 1 elsewhere).
+      replicated_updates: every tower builds the moving-average updates and
+        the harness merges them (``tf.distribute``); else only ``main`` does.
+    """
+
+
+def canonical_device(device):
+    """Canonical form of a device string ('' stays '')."""
+    if not device:
+        return ''
+    return tf.DeviceSpec.from_string(device).to_string()
+
+
+def current_device():
+    """The canonical device that ops built here are placed on (the innermost tf.device).
+
+    Device functions (``replica_device_setter``) decide per op, so an op is
+    built to ask: one ``NoOp`` named ``device_probe``.
+    """
+    return canonical_device(tf.no_op(name='device_probe').device)
+
+
+def find_group(options, prediction_towers_update=False):
+    """Finds this call's tower, its index and the number of towers in its group.
+
+    In order: a tower context (this library's, tensorpack's, a
+    ``tf.distribute`` replica's); else a tower name scope (``tower<i>``,
+    ``tower_<i>``, ``clone_<i>`` or a registered pattern), with ``num_dev``
+    giving the number of towers; else a single tower.
+
+    Args:
+      options: the layer's :class:`~tf1_syncbn._core.options.Options`.
+      prediction_towers_update: whether a call with batch statistics in a
+        prediction tower updates the moving statistics (tensorpack's layers
+        do; slim's run in training towers only).
+
+    Returns:
+      A :class:`Group`.
+
+    Raises:
+      ValueError: when ``num_dev`` disagrees with the tower context or the
+        name scope, or ``num_dev > 1`` for a training call outside any tower.
+    """
+    ctx = get_current_tower_context()
+    num_dev = options.num_dev
+    workers = getattr(ctx, 'workers', 1)
+    if ctx is not None:
+        if num_dev is not None and num_dev != ctx.total * workers:
+            raise options.error('%s=%d disagrees with the %d towers of %r; drop %s or fix it.'
+                                % (options.arg('num_dev'), num_dev, ctx.total * workers, ctx,
+                                   options.arg('num_dev')))
+        index, towers = ctx.index, ctx.total
+        main = ctx.is_main_training_tower or (prediction_towers_update and not ctx.is_training)
+    else:
+        scope = full_name_scope()
+        index = tower_index_from_name(scope)
+        if num_dev is None:
+            towers = 1 if index is None else None
+        else:
+            towers = num_dev
+            if index is None and num_dev > 1 and options.is_training is not False:
+                raise options.error(
+                    '%s=%d but the layer is built outside any tower (name scope %r): build '
+                    'each tower in tower.TowerContext (or call_for_each_tower), or under a name '
+                    'scope tower<i>, tower_<i> or clone_<i> (or a pattern registered with '
+                    'tower.register_tower_pattern), so that the tower index is known.'
+                    % (options.arg('num_dev'), num_dev, scope))
+            if index is not None and index >= num_dev:
+                raise options.error('the name scope %r says tower %d but %s=%d.'
+                                    % (scope, index, options.arg('num_dev'), num_dev))
+        index = index or 0
+        main = index == 0
+    base = base_name(tf1.get_variable_scope().name, ctx)
+    # An inference call builds no collective and no update: it takes no call
+    # index, so calls built before, between or after the towers (a validation
+    # graph, `training=False`) never shift the towers' numbering.
+    call = get_registry().call_name(towers, index, base) if options.is_training is not False \
+        else '%s:inference' % base
+    return Group(ctx, index, towers, main, call, workers,
+                 bool(getattr(ctx, 'replicated_updates', False)))
+
+
+class SyncGroup(collections.namedtuple('SyncGroup', ['groups', 'index', 'towers', 'workers',
+                                                     'rank', 'tower'])):
+    """This member's sync group, when ``group_size`` splits the towers into several.
+
+    Towers are numbered globally: worker ``w``'s tower ``t`` is
+    ``w * towers + t``, as PyTorch ranks and TPU shards are.
+
+    Attributes:
+      groups: every group, a tuple of sorted tuples of global tower indices.
+      index: this member's group (0-based; messages count from 1).
+      towers: towers per worker in this graph.
+      workers: the workers the towers span.
+      rank: this worker's rank.
+      tower: this member's tower index in its graph.
+    """
+
+    @property
+    def members(self):
+        """The global tower indices of this member's group."""
+        return self.groups[self.index]
+
+    @property
+    def position(self):
+        """This member's position in its group (0 to ``len(members) - 1``)."""
+        return self.members.index(self.rank * self.towers + self.tower)
+
+    def label(self, index=None):
+        """``'group 2 of 4 (towers 2, 3)'`` for group ``index`` (default: this member's)."""
+        index = self.index if index is None else index
+        members = self.groups[index]
+        return 'group %d of %d (%s %s)' % (
+            index + 1, len(self.groups), 'tower' if len(members) == 1 else
+            'global towers' if self.workers > 1 else 'towers', ', '.join(map(str, members)))
+
+    def local_labels(self):
+        """``{tower index in this graph: label of its group}``."""
+        group_of = {m: g for g, members in enumerate(self.groups) for m in members}
+        return {t: self.label(group_of[self.rank * self.towers + t])
+                for t in range(self.towers)}
+
+    def main_needs_worker0(self):
+        """Whether some worker's main tower (this member's tower index) is outside worker 0's
+        main tower's group: its moving statistics then come from worker 0's group.
+        """
+        group_of = {m: g for g, members in enumerate(self.groups) for m in members}
+        return len({group_of[w * self.towers + self.tower] for w in range(self.workers)}) > 1
+
+
+def sync_groups(options, towers, workers):
+    """The sync groups of ``towers * workers`` global towers, from ``options.group_size``.
+
+    Args:
+      options: the call's :class:`~tf1_syncbn._core.options.Options`.
+      towers: towers per worker.
+      workers: the number of workers.
+
+    Returns:
+      A tuple of sorted tuples of global tower indices, one per group.
+
+    Raises:
+      ValueError: an int ``group_size`` that does not divide the towers, or
+        explicit groups that do not cover every tower once.
+    """
+    spec, name, total = options.group_size, options.arg('group_size'), towers * workers
+    where = ('%d towers' % total if workers == 1 else
+             '%d towers (%d per worker x %d workers)' % (total, towers, workers))
+    if spec is None:
+        return (tuple(range(total)),)
+    if isinstance(spec, int):
+        if total % spec:
+            raise options.error(
+                '%s=%d does not divide the %s of its sync group: groups are consecutive global '
+                "towers (worker w's tower t is w * %d + t), %d in each. Pass a %s that divides "
+                '%d (one of %s; %d synchronizes every tower), or explicit groups (a list of '
+                'lists of global tower indices).'
+                % (name, spec, where, towers, spec, name, total,
+                   ', '.join(str(d) for d in range(1, total + 1) if total % d == 0), total))
+        return tuple(tuple(range(start, start + spec)) for start in range(0, total, spec))
+    covered = sorted(m for members in spec for m in members)
+    if covered != list(range(total)):
+        unknown = sorted(set(covered) - set(range(total)))
+        missing = sorted(set(range(total)) - set(covered))
+        raise options.error(
+            '%s=%r must put each of the %s (global indices 0 to %d) in exactly one group%s%s.'
+            % (name, [list(m) for m in spec], where, total - 1,
+               '; no group holds %s' % ', '.join(map(str, missing)) if missing else '',
+               '; there is no tower %s' % ', '.join(map(str, unknown)) if unknown else ''))
+    return tuple(sorted(spec))
+
+
+def find_sync_group(options, group, backend):
+    """This member's :class:`SyncGroup`, or None when its group is every tower of every worker.
+
+    Raises:
+      ValueError: see :func:`sync_groups`; and a group across workers whose
+        rank the backend does not know, a backend that cannot build the
+        groups (Horovod across processes), or a ``tf.distribute`` strategy.
+    """
+    if options.group_size is None:
+        return None
+    total = backend.group_size(group.towers)
+    workers = max(total // group.towers, 1)
+    groups = sync_groups(options, group.towers, workers)
+    if len(groups) == 1:
+        return None
+    if group.replicated_updates and group.workers > 1:
+        # One worker: the strategy keeps replica 0's updates (ONLY_FIRST_REPLICA),
+        # so the moving statistics follow replica 0's group, as the rule says.
+        raise options.error(
+            '%s=%r under %r: sync groups are not supported with multi-worker tf.distribute '
+            "strategies, whose workers each keep their first replica's moving statistics. "
+            'Leave %s unset (every replica synchronizes), or run the workers with '
+            'tf1_syncbn.distributed and tower.call_for_each_tower, where groups span workers.'
+            % (options.arg('group_size'), options.group_size, group.ctx,
+               options.arg('group_size')))
+    rank = backend.worker_rank()
+    if rank is None:
+        raise options.error(
+            '%s=%r with %r: sync groups number the towers of every worker globally (worker '
+            "w's tower t is w * %d + t), which needs this worker's rank. Pass "
+            'CollectiveBackend(num_workers=%d, rank=<this worker\'s rank>), or cluster.backend() '
+            'from tf1_syncbn.distributed.'
+            % (options.arg('group_size'), options.group_size, backend, group.towers, workers))
+    check = getattr(backend, 'check_groups', None)
+    if check is not None:
+        check(options.layer, groups, group.towers)
+    me = rank * group.towers + group.index
+    index = [g for g, members in enumerate(groups) if me in members][0]
+    return SyncGroup(groups, index, group.towers, workers, rank, group.index)
+
+
+def _is_auto(spec):
+    return isinstance(spec, str) and spec.lower() == 'auto'
+
+
+def choose_backend(options, group, device):
+    """The backend that synchronizes a training call of ``group`` on ``device``, or None.
+
+    Returns:
+      A :class:`~tf1_syncbn.SyncBackend`, or None for this tower's statistics
+      alone (``sync_statistics=None``, one tower, or ``'auto'`` in a tower of
+      unknown group, which warns).
+
+    Raises:
+      ValueError: when ``sync_statistics`` names a backend but the number of
+        towers is unknown (no tower context and no ``num_dev``): the layer
+        never falls back to per-tower statistics silently.
+    """
+    spec = options.sync_statistics
+    if spec is None:
+        return None
+    if group.towers is None:
+        # A name scope says "tower <i>", but nothing says how many towers.
+        if not _is_auto(spec):
+            raise _unknown_group_error(options, spec)
+        _warn_once(options, 'its name scope %r looks like tower %d of a multi-tower graph, '
+                   'but the number of towers is unknown, so it normalizes with this '
+                   "tower's statistics alone (no synchronization). Pass num_dev=<number of "
+                   'towers> to synchronize, build the towers in tower.TowerContext, or pass '
+                   'sync_statistics=None to keep per-tower statistics and silence this '
+                   'warning.' % (full_name_scope(), group.index))
+        return None
+    backend = backends.resolve(spec, options.layer, device, group.towers * group.workers,
+                               group.workers)
+    if backend is None:
+        return None
+    if group.replicated_updates and \
+            backend.group_size(group.towers) != group.towers * group.workers:
+        # A tf.distribute strategy knows how many members the group has.
+        raise options.error(
+            '%s=%r synchronizes %d members, but %r has %d towers in all (%d per worker x %d '
+            'workers). Pass sync_statistics=\'auto\' or CollectiveBackend(num_workers=%d).'
+            % (options.arg('sync_statistics'), backend, backend.group_size(group.towers),
+               group.ctx, group.towers * group.workers, group.towers, group.workers,
+               group.workers))
+    if group.ctx is None and options.num_dev is None and not backend.implicit_single_tower:
+        raise _unknown_group_error(options, spec)
+    return backend
+
+
+def _unknown_group_error(options, spec):
+    return options.error(
+        '%s=%r asks for synchronized statistics, but the layer cannot tell how many towers '
+        'synchronize: it is built outside any tower context (name scope %r) and %s is not '
+        "given. Build the towers in tower.TowerContext / tower.call_for_each_tower (or "
+        "tensorpack's trainers, or a tf.distribute strategy's run()), or pass "
+        '%s=<number of towers in this graph> (1 for one tower) and build tower i under a name '
+        'scope tower<i>, tower_<i> or clone_<i> (or a pattern added with '
+        'tower.register_tower_pattern).'
+        % (options.arg('sync_statistics'), spec, full_name_scope(), options.arg('num_dev'),
+           options.arg('num_dev')))
+
+
+def check_untowered_copies(options, group, variable, output):
+    """Raises or warns when copies of one layer train on several devices outside any tower.
+
+    A tower loop the layer cannot see (``for i: with tf.device('/gpu:%d' % i),
+    tf.variable_scope('', reuse=i > 0):``, or under an unregistered ``gpu_<i>``
+    name scope, without ``num_dev``) gives every copy a group of one: each
+    normalizes with its own device's batch. The graph shows it: one layer's
+    variables trained by copies on several devices. The graph's
+    :class:`~tf1_syncbn._sync.registry.CallRegistry` keeps the devices of each
+    layer's training copies outside any tower; from the second device on, a
+    layer with ``sync_statistics='auto'`` warns (:class:`SyncBNWarning`, once
+    per graph and layer) and one with an explicit backend raises. Copies on
+    one device (one layer applied to several inputs), inference copies and
+    copies without a device say nothing.
+
+    Args:
+      options: the call's :class:`~tf1_syncbn._core.options.Options`.
+      group: the call's :class:`Group`.
+      variable: the name of the layer's moving mean (of the variable a custom
+        getter received, :func:`tf1_syncbn._core.variables.variable_name`): it
+        names the layer's variables.
+      output: the call's output, whose device is the copy's.
+
+    Raises:
+      ValueError: for an explicit backend (``'horovod'``: the others refuse
+        the first copy outside any tower already).
+    """
+    if options.sync_statistics is None or options.is_training is False or \
+            group.ctx is not None or options.num_dev is not None or group.towers != 1:
+        return
+    device = canonical_device(output.op.device)
+    if not device:
+        return
+    registry = get_registry()
+    devices = registry.untowered_copy_devices(variable, device)
+    if len(devices) > 1:
+        message = (
+            'its variables (%s, ...) are used in training by copies on %d devices (%s), none '
+            'of them in a tower it can name (no tower context, no tower name scope, no %s; '
+            'this copy: name scope %r), so each copy normalizes with its own device\'s batch '
+            'alone. To synchronize the copies as towers, pass %s=<number of towers> and build '
+            'tower i under a name scope tower_<i> (or register your convention, e.g. '
+            'tower.register_tower_pattern(r\'gpu_([0-9]+)\') for gpu_<i>), or build the '
+            'towers in tower.TowerContext / tower.call_for_each_tower. If the copies are one '
+            'tower on purpose (one model split across devices), pass %s=1'
+            % (variable, len(devices), ', '.join(devices), options.arg('num_dev'),
+               full_name_scope(), options.arg('num_dev'), options.arg('num_dev')))
+        if not _is_auto(options.sync_statistics):
+            raise options.error(message + '.')
+        _warn_once(options, message + ', or %s=None to keep per-device statistics and '
+                   'silence this warning.' % options.arg('sync_statistics'), 'untowered')
+    registry.add_untowered_copy(variable, device)
+
+
+def _warn_once(options, message, kind='unknown group'):
+    """Warns once per graph, layer and kind of warning."""
+    warned = get_graph_state().slot('tf1_syncbn.warned', set)
+    if (options.layer, kind) in warned:
+        return
+    warned.add((options.layer, kind))
+    warnings.warn('%s: %s' % (options.layer, message), SyncBNWarning, stacklevel=5)
