@@ -98,8 +98,33 @@ def pytest_configure(config):
         'TensorFlow (every front-end, every patch, the Estimator harness; docs/testing.md)')
 
 
+#: The modules that take longest (docs/testing.md, "How long it takes"), longest
+#: first. pytest-xdist hands whole modules (--dist loadfile) to its workers in
+#: collection order: started first, they do not leave one worker running alone
+#: at the end of a pass while the other idles. Each pass keeps the rest in
+#: pytest's order.
+LONGEST_FIRST = (
+    'slim/test_slim_parity.py', 'keras/test_keras_models.py',
+    'distributed/test_multi_worker_demo.py', 'layers/test_layers_parity.py',
+    'project/test_readme.py', 'tensorpack/test_tensorpack_parity.py',
+    'tensorpack/test_tensorpack_trainers.py', 'distributed/test_multi_worker_training.py',
+    'core/test_resume_meta_graph.py', 'core/test_custom_getter.py',
+    'layers/test_layers_tf_keras_own_tests.py', 'tower/test_tower_distribute_multi_worker.py',
+    'audit/test_audit.py', 'kernels/test_kernel_build.py', 'layers/test_layers_harness.py',
+)
+
+
+def _longest_first(item):
+    path = item.nodeid.split('::')[0]
+    for rank, suffix in enumerate(LONGEST_FIRST):
+        if path.endswith(suffix):
+            return rank
+    return len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
-    """In the TF1-behaviour pass, leaves out the tests marked ``once``."""
+    """Puts the longest modules first; the TF1-behaviour pass leaves out tests marked ``once``."""
+    items.sort(key=_longest_first)      # stable: each module's own order stays
     if not tf_behavior.is_v1():
         return
     once = [item for item in items if item.get_closest_marker('once') is not None]
