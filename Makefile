@@ -97,7 +97,8 @@ test-v2 test-v1: $(VENV)/.installed-test kernels
 test-full: $(VENV)/.installed-test kernels lint docs
 	export TF1_SYNCBN_TEST_FULL=1 TF1_SYNCBN_TEST_BEHAVIOR=v2; $(PY) -m pytest -q $(XDIST) $(SUITE) $(PYTEST_ARGS)
 	export TF1_SYNCBN_TEST_FULL=1 TF1_SYNCBN_TEST_BEHAVIOR=v1; $(PY) -m pytest -q $(XDIST) $(SUITE) $(PYTEST_ARGS)
-	TF1_SYNCBN_TEST_FULL=1 $(MAKE) test-versions TEST_VERSIONS='$(filter-out 2.21,$(TF_VERSIONS))'
+	TF1_SYNCBN_TEST_FULL=1 $(MAKE) test-versions TEST_VERSIONS='$(filter-out 2.21,$(TF_VERSIONS))' \
+	    VERSION_BEHAVIORS='v2 v1'
 	TF1_SYNCBN_TEST_FULL=1 $(MAKE) test-horovod
 
 # Every supported TensorFlow (pyproject.toml: 2.15 to 2.21), each in its own
@@ -126,10 +127,15 @@ TF_PINS_2.21 := tensorflow-cpu==2.21.0 keras==3.15.1
 KERAS2_2.21  := tf-keras==2.21.0
 TF_VERSIONS   := 2.15 2.16 2.17 2.18 2.19 2.20 2.21
 # What `make test-versions` (and CI) runs besides the whole suite on .venv
-# (2.21): 2.15, the oldest, the only one whose Keras 2 is the `keras` package
-# and whose tf.compat.v1.layers is Keras 2.15's; 2.16 to 2.20 take 2.21's paths
-# (tf-keras, Keras 3 beside it) and run in `make test-full`.
-TEST_VERSIONS ?= 2.15
+# (2.21): the oldest and the newest of the others. `make test-full` runs all.
+TEST_VERSIONS ?= 2.15 2.20
+# The TF behaviours of each version's subset: both on 2.15, the only version
+# whose Keras 2 is the `keras` package and whose tf.compat.v1.layers is Keras
+# 2.15's, in each behaviour; the TF2-behaviour pass on the others, whose
+# TF1-behaviour paths are 2.21's (tf-keras beside Keras 3), which make test
+# runs in full. `make test-full` runs both behaviours on every version.
+VERSION_BEHAVIORS_2.15 := v2 v1
+VERSION_BEHAVIORS ?= v2
 # The other packages the subset needs (no linters, docs or demo tools).
 VERSION_TEST_PINS := tf-slim==1.1.0 tensorpack==0.11 tqdm pytest "pytest-timeout>=2.1" \
                      "pytest-xdist>=3.3"
@@ -147,15 +153,17 @@ $(TF_VERSIONS:%=venv-tf%): venv-tf%: .venv-tf%/.installed
 	.venv-tf$*/bin/python -m pip --disable-pip-version-check install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-# The subset in both TF behaviours, the kernels build (a fresh compile for this
+# The subset in its TF behaviours (VERSION_BEHAVIORS), the kernels build (a fresh compile for this
 # TensorFlow, into the shared cache) and the self-test on 2 virtual CPUs. Only
 # the modules that mark tests are collected: collecting the others would import
 # what they import (tf-keras beside TensorFlow 2.15's Keras 2.15, for one).
 VERSION_TESTS = $(shell grep -l 'pytest.mark.versions' tests/*/test_*.py)
 $(TF_VERSIONS:%=test-tf%): test-tf%: .venv-tf%/.installed
 	.venv-tf$*/bin/python -m tf1_syncbn.kernels
-	TF1_SYNCBN_TEST_BEHAVIOR=v2 .venv-tf$*/bin/python -m pytest -q $(XDIST) -m versions $(VERSION_TESTS) $(PYTEST_ARGS)
-	TF1_SYNCBN_TEST_BEHAVIOR=v1 .venv-tf$*/bin/python -m pytest -q $(XDIST) -m versions $(VERSION_TESTS) $(PYTEST_ARGS)
+	for behavior in $(or $(VERSION_BEHAVIORS_$*),$(VERSION_BEHAVIORS)); do \
+	    TF1_SYNCBN_TEST_BEHAVIOR=$$behavior .venv-tf$*/bin/python -m pytest -q $(XDIST) \
+	        -m versions $(VERSION_TESTS) $(PYTEST_ARGS) || exit 1; \
+	done
 	.venv-tf$*/bin/python -m tf1_syncbn.selftest --towers 2 --steps 2
 
 test-versions: $(TEST_VERSIONS:%=test-tf%)
