@@ -4,11 +4,15 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import tf_behavior
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.once(reason="the example script's own run; the library's multi-worker paths in "
+                        'TF1 behaviour are test_multi_worker_training\'s (2 x 2 against 1 x 4)')
 def test_two_workers_of_two_towers_equal_the_global_batch():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
     proc = subprocess.run(
