@@ -1,7 +1,7 @@
 """The parity cases run under Horovod: three front-ends, 2 processes x 1 and x 2 towers.
 
 Each case is one of the front-end parity modules' own cases
-(``test_parity_slim``, ``test_parity_tensorpack``, ``layers_cases``), with
+(``slim/test_slim_parity``, ``tensorpack/test_tensorpack_parity``, ``layers_cases``), with
 ``front_end`` added and its name prefixed; both sides build it with those
 modules' layer functions (``slim_apply``, ``tensorpack_apply``,
 ``parity_apply``): the replaced library on one device in the reference
@@ -15,7 +15,10 @@ an empty tower or an empty process.
 """
 
 import copy
+import importlib
 import json
+import os
+import sys
 
 import reference_cases
 
@@ -49,14 +52,26 @@ GHOST_LAYOUTS = {
 }
 
 
+#: The parity modules whose cases and layer functions the Horovod job takes.
+PARITY_MODULES = {'slim': ('slim', 'test_slim_parity'),
+                  'tensorpack': ('tensorpack', 'test_tensorpack_parity')}
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _parity_module(front_end):
+    """The front-end's parity module (tests/<folder>/test_<front-end>_parity.py)."""
+    folder, name = PARITY_MODULES[front_end]
+    path = os.path.join(TESTS, folder)
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    return importlib.import_module(name)
+
+
 def _source_cases(front_end):
-    if front_end == 'slim':
-        from test_parity_slim import ALL_CASES as CASES  # noqa: PLC0415
-    elif front_end == 'tensorpack':
-        from test_parity_tensorpack import ALL_CASES as CASES  # noqa: PLC0415
-    else:
-        from layers_cases import ALL_PARITY_CASES as CASES  # noqa: PLC0415
-    return CASES
+    if front_end in PARITY_MODULES:
+        return _parity_module(front_end).ALL_CASES
+    from layers_cases import ALL_PARITY_CASES  # noqa: PLC0415
+    return ALL_PARITY_CASES
 
 
 def _cases():
@@ -90,9 +105,8 @@ def runs():
 
 #: The layer functions both sides call (the parity modules' own).
 def model_source():
-    from test_parity_slim import MODEL as SLIM  # noqa: PLC0415
-    from test_parity_tensorpack import MODEL as TENSORPACK  # noqa: PLC0415
-    return SLIM + TENSORPACK + '\nfrom layers_cases import parity_apply\n'
+    return (_parity_module('slim').MODEL + _parity_module('tensorpack').MODEL
+            + '\nfrom layers_cases import parity_apply\n')
 
 
 REFERENCE_APPLY = '''
