@@ -102,7 +102,7 @@ def test_processes_equal_the_replaced_layer_on_the_concatenated_batch(reference,
             size_checks = towers if case.get('interleave') else 0
             assert info['horovod_allreduces'] == (2 * towers + len(info['trainable_variables'])
                                                   + size_checks)
-            assert info['collectives'] == (2 * towers if towers > 1 else 0)
+            assert info['collectives'] == (2 * towers + size_checks if towers > 1 else 0)
 
 
 def test_every_front_end_layout_and_type_ran():
