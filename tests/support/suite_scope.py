@@ -38,3 +38,48 @@ def covering(cases, covering_cases):
     if strangers:
         raise ValueError('covering: cases %r are not in the product.' % (strangers,))
     return cases if full() else covering_cases
+
+
+def pairwise(*factors):
+    """A covering set of a product in which every pair of values meets.
+
+    For each two factors, every value of the one appears with every value of
+    the other in at least one case (an all-pairs array). The set is built
+    greedily and deterministically (the same factors give the same cases, in
+    the product's order), so test ids stay stable between runs.
+
+    Use it where what a case exercises depends on each option and on how two
+    options combine, not on three at once; say so next to the use.
+
+    Args:
+      *factors: each a sequence of a factor's values, in the product's order.
+
+    Returns:
+      A list of tuples, one value per factor, a subset of
+      ``itertools.product(*factors)`` in its order.
+
+    Raises:
+      ValueError: when a factor has no values.
+    """
+    import itertools  # noqa: PLC0415 - only the products' modules need it
+
+    factors = [list(values) for values in factors]
+    empty = [i for i, values in enumerate(factors) if not values]
+    if empty:
+        raise ValueError('pairwise: factor %d has no values.' % empty[0])
+    product = list(itertools.product(*factors))
+    if len(factors) < 3:
+        return product
+    pairs = list(itertools.combinations(range(len(factors)), 2))
+
+    def pairs_of(case):
+        return {(i, j, case[i], case[j]) for i, j in pairs}
+
+    missing = set().union(*(pairs_of(case) for case in product))
+    chosen = set()
+    while missing:
+        # The case that covers the most missing pairs; the product's first on ties.
+        best = max(range(len(product)), key=lambda k: (len(pairs_of(product[k]) & missing), -k))
+        chosen.add(best)
+        missing -= pairs_of(product[best])
+    return [product[k] for k in sorted(chosen)]
