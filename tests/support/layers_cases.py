@@ -162,7 +162,7 @@ ALL_PARITY_CASES = PARITY_CASES
 #     float16-rank4, mean1e4-rank4, training_tensor-rank4, partitioned-rank4;
 #   fused=False-rank5-axis-last: fused=False (the separate ops of the core's slow
 #     path, tf1_syncbn._core.normalize): fused=False-rank4-axis1; the slow path
-#     on NHWC: renorm-adjustment-rank2, renorm-rank4-axis[1,3]-training_tensor;
+#     on NHWC: renorm-adjustment-rank2;
 #   training_tensor-rank2-object: a bool tensor, biased: training_tensor-rank3-axis1;
 #     the object API: rank5-axis-4-object, rank4-axis[2,-1]-object;
 #   renorm-clipped-rank2: renorm clipped on rank 2: renorm-adjustment-rank2;
@@ -175,17 +175,21 @@ ALL_PARITY_CASES = PARITY_CASES
 #   mean1e4-rank3-axis1: the large mean biased on an NCHW view:
 #     rank4-axis2-fused=True-mean1e4;
 #   rank5-axis-3-middle-training_tensor: a middle axis folded: rank4-axis2-middle,
-#     adjustment-rank5-axis2 (rank 5); a bool tensor on a view:
-#     renorm-rank4-axis[1,3]-training_tensor;
+#     adjustment-rank5-axis2 (rank 5); a bool tensor: training_tensor-rank4,
+#     training_tensor-rank3-axis1 (a view is built before the core's tf.cond);
 #   rank3-axis[1,2]: contiguous axes that end at the last one (a free NHWC
 #     view): rank4-axis[2,-1]-object;
 #   fused=False-rank4-axis2: the slow path on a folded middle view:
-#     adjustment-rank5-axis2; fused=False: fused=False-rank4-axis1.
+#     adjustment-rank5-axis2; fused=False: fused=False-rank4-axis1;
+#   renorm-rank4-axis[1,3]-training_tensor: renorm in a tf.cond, its reads
+#     before the main tower's updates: renorm-training_tensor-rank4-axis1; the
+#     same view without renorm (axes apart, transposed): rank4-axis[3,1]-apart.
 OUT_OF_MAKE_TEST = (
     'rank3-axis-last-scale=False', 'rank3-axis1', 'rank4-axis3', 'fused=False-rank5-axis-last',
     'training_tensor-rank2-object', 'renorm-clipped-rank2', 'renorm-clipped-rank4-axis1',
     'float16-rank4-axis1-fused=False', 'mean1e4-rank3-axis1',
-    'rank5-axis-3-middle-training_tensor', 'rank3-axis[1,2]', 'fused=False-rank4-axis2')
+    'rank5-axis-3-middle-training_tensor', 'rank3-axis[1,2]', 'fused=False-rank4-axis2',
+    'renorm-rank4-axis[1,3]-training_tensor')
 assert set(OUT_OF_MAKE_TEST) <= {c['name'] for c in PARITY_CASES}
 PARITY_CASES = suite_scope.covering(
     PARITY_CASES, [c for c in PARITY_CASES if c['name'] not in OUT_OF_MAKE_TEST])
@@ -194,7 +198,7 @@ PARITY_CASES = suite_scope.covering(
 # behaviour changes. Dimension shapes: every rank (2: renorm-adjustment-rank2,
 # 3: training_tensor-rank3-axis1, bfloat16-rank3, 4, 5) in both layouts, a
 # middle axis folded (rank4-axis2-middle), axes apart transposed
-# (renorm-rank4-axis[1,3]-training_tensor), ghost batches on a transposed view
+# (rank4-axis[3,1]-apart), ghost batches on a transposed view
 # (virtual_batch-rank5-axis[1,4], tf.layers' TF1 ghost batches). Reads of
 # reference variables: fused and not (fused=False-rank4-axis1), renorm's
 # separate ops and their race (renorm-training_tensor-rank4-axis1), adjustment
@@ -209,8 +213,8 @@ PARITY_CASES = suite_scope.covering(
 V1_NAMES = ('rank5-axis-last-momentum_tensor', 'rank5-axis-4-object', 'fused=False-rank4-axis1',
             'training_tensor-rank4', 'training_tensor-rank3-axis1', 'trainable=False-rank4',
             'renorm-training_tensor-rank4-axis1', 'renorm-adjustment-rank2', 'bfloat16-rank3',
-            'partitioned-rank4', 'rank4-axis2-middle',
-            'renorm-rank4-axis[1,3]-training_tensor', 'virtual_batch-rank5-axis[1,4]')
+            'partitioned-rank4', 'rank4-axis2-middle', 'rank4-axis[3,1]-apart',
+            'virtual_batch-rank5-axis[1,4]')
 assert set(V1_NAMES) <= {c['name'] for c in PARITY_CASES}
 PARITY_CASES = tf_behavior.pick(PARITY_CASES, [c for c in PARITY_CASES
                                                if c['name'] in V1_NAMES])
