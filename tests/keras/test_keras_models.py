@@ -52,6 +52,10 @@ BATCH_NORMS = 27
 #: compiled kernels (time); tensorpack's trainers and the stock kernels run in TF1 behaviour
 #: in test_harness_tensorpack.py, test_keras_layer.py and the parity modules.
 TF2_ONLY = 'the TF1-behaviour pass runs the tower loop and MirroredStrategy'
+# The first test's set-up runs the reference's subprocess, in the TF2-behaviour pass
+# with the tensorpack trainers (reference_dir): it may take longer than the default 300 s
+# on a loaded 2-core machine (the subprocess has its own limit, 600 s).
+pytestmark = pytest.mark.timeout(900)
 
 REFERENCE_SCRIPT = '''
 import numpy as np
@@ -66,10 +70,17 @@ print('RESULT keras_model_reference.npz')
 
 
 @pytest.fixture(scope='module')
-def reference_dir(tmp_path_factory):
-    """tf-keras' own layers, the whole batch on one device, in a legacy-Keras subprocess."""
+def reference_dir(request, tmp_path_factory):
+    """tf-keras' own layers, the whole batch on one device, in a legacy-Keras subprocess.
+
+    In the TF2-behaviour pass, which runs the tensorpack trainers, their
+    subprocess (legacy Keras, the same behaviour) computes it first, before
+    it patches anything: one interpreter less.
+    """
     if os.environ.get(REFERENCE_DIR_VARIABLE):
         return pathlib.Path(os.environ[REFERENCE_DIR_VARIABLE])
+    if not tf_behavior.is_v1() and not in_child():
+        return request.getfixturevalue('tensorpack_dir')
     tmp = tmp_path_factory.mktemp('keras_model_reference')
     run_reference(REFERENCE_SCRIPT, tmp)
     return tmp
@@ -184,19 +195,30 @@ def test_mirrored_strategy_without_the_patch_is_per_replica(reference):
 
 
 @pytest.fixture(scope='module')
-def tensorpack_runs(tmp_path_factory):
+def tensorpack_dir(tmp_path_factory):
     """``keras_tensorpack.py`` in a legacy-Keras subprocess: patched and control runs.
 
-    Returns:
-      ``{run: {'arrays': keras_app_case.train's keys (losses, weights), ...}}``
-      or ``{run: {'error': ...}}``.
+    It also writes ``keras_model_reference.npz`` (see ``reference_dir``).
     """
     tmp = tmp_path_factory.mktemp('keras_tensorpack')
     config = {'towers': [len(SIZES)], 'steps': app.STEPS, 'global_batch': sum(SIZES),
               'shape': list(app.INPUT)}
     with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'support',
                            'keras_tensorpack.py')) as f:
-        run_reference(f.read(), tmp, args=[str(tmp / 'out'), json.dumps(config)], timeout=600)
+        run_reference(f.read(), tmp, args=[str(tmp / 'out'), json.dumps(config),
+                                           str(tmp / 'keras_model_reference.npz')], timeout=600)
+    return tmp
+
+
+@pytest.fixture(scope='module')
+def tensorpack_runs(tensorpack_dir):
+    """The runs of ``tensorpack_dir``.
+
+    Returns:
+      ``{run: {'arrays': keras_app_case.train's keys (losses, weights), ...}}``
+      or ``{run: {'error': ...}}``.
+    """
+    tmp = tensorpack_dir
     arrays = np.load(tmp / 'out' / 'result.npz')
     info = json.loads((tmp / 'out' / 'result.json').read_text())
     runs = {}

@@ -1,8 +1,9 @@
 """The demo's runs move and resume: relative checkpoint paths, and --resume that refuses clearly.
 
-Run as a user runs it (``python examples/train_multitower.py ...``, fresh
-processes; the refusals, which happen before anything is built, through the
-script's ``main``). Before: the ``checkpoint`` file stored absolute paths, so a run
+The resume runs as a user runs it (``python examples/train_multitower.py
+...``, a fresh process); the run it resumes, and the refusals (which happen
+before anything is built), through the script's ``main`` in the test
+process. Before: the ``checkpoint`` file stored absolute paths, so a run
 folder moved elsewhere restarted from step 0 with only a logged TensorFlow
 error; ``--resume`` on a folder without checkpoints started afresh without a
 word; and ``--resume`` with another number of towers changed the global
@@ -39,10 +40,14 @@ def _demo(*args):
 
 @pytest.fixture(scope='module')
 def moved_run(tmp_path_factory):
-    """A 4-step run, moved to another folder after it finished."""
+    """A 4-step run (the script's main, in this process), moved to another folder after it.
+
+    The resume that follows is a fresh process, as a user's is: it never saw
+    the folder where the run was trained.
+    """
     first = tmp_path_factory.mktemp('first')
-    run = _demo('--steps', '4', '--out-dir', str(first / 'run'))
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert _demo_module().main(COMMON + tf_behavior.flag() +
+                               ['--steps', '4', '--out-dir', str(first / 'run')]) == 0
     moved = tmp_path_factory.mktemp('elsewhere') / 'moved'
     shutil.move(str(first / 'run'), str(moved))
     return str(moved)

@@ -23,6 +23,11 @@ the last step, as this worker holds it), ``collectives`` (the layers'
 Every step runs the strategy's collectives, which have no timeout: a lost
 peer hangs the others, so whoever starts the workers must stop them after a
 deadline (the tests give :meth:`tf1_syncbn.launch.Launcher.wait` one).
+
+``--fork JOBS.json`` (:func:`fork_workers`) starts several workers from one
+interpreter, which imports TensorFlow once (most of a start's cost) and forks
+one process per worker; each child takes its own ``TF_CONFIG`` and arguments
+and imports tf1_syncbn itself, as a started worker does.
 """
 
 import argparse
@@ -141,5 +146,71 @@ def main(argv=None):
     print('worker %d: done' % rank, flush=True)
 
 
+def fork_workers(jobs, deadline):
+    """Forks one worker per job from this interpreter; waits for all, at most ``deadline`` s.
+
+    Nothing here has imported tf1_syncbn, created a session or a server before
+    the forks: each child does, in its own process group, with its job's
+    ``TF_CONFIG``, its output in its job's log file.
+
+    Args:
+      jobs: ``[{'argv': main's arguments, 'tf_config': ..., 'log': path}]``.
+      deadline: seconds for all of them; children still running then are
+        SIGKILLed (with their process groups).
+
+    Returns:
+      Each job's exit status (negative: the signal that ended it), in order.
+    """
+    import signal  # noqa: PLC0415
+    import time  # noqa: PLC0415
+    import tf_behavior  # noqa: PLC0415
+    tf_behavior.apply()
+    pids = []
+    for job in jobs:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            status = 1
+            try:
+                os.setsid()
+                log = os.open(job['log'], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(log, 1)
+                os.dup2(log, 2)
+                os.environ['TF_CONFIG'] = job['tf_config']
+                main(job['argv'])
+                status = 0
+            except BaseException:  # noqa: BLE001 - the child reports and exits
+                import traceback  # noqa: PLC0415
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(status)
+        pids.append(pid)
+    statuses, end = {}, time.time() + deadline
+    while len(statuses) < len(pids) and time.time() < end:
+        for pid in pids:
+            if pid not in statuses:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    statuses[pid] = os.waitstatus_to_exitcode(status)
+        time.sleep(0.2)
+    for pid in pids:
+        if pid not in statuses:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            statuses[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    return [statuses[pid] for pid in pids]
+
+
 if __name__ == '__main__':
-    main()
+    if sys.argv[1:2] == ['--fork']:
+        with open(sys.argv[2]) as f:
+            request = json.load(f)
+        print('STATUSES ' + json.dumps(fork_workers(request['jobs'], request['deadline'])),
+              flush=True)
+    else:
+        main()

@@ -4,7 +4,8 @@ Run by ``tests/keras/test_keras_models.py`` through ``legacy_reference.run_refer
 (a fresh interpreter with legacy Keras, which tensorpack 0.11 needs on TF 2.21),
 in the TF behaviour of the test run:
 
-    python keras_tensorpack.py OUT_DIR '{"towers": [2], "steps": 3, "shape": [32, 32, 3], ...}'
+    python keras_tensorpack.py OUT_DIR '{"towers": [2], "steps": 3, "shape": [32, 32, 3], ...}' \
+        [REFERENCE.npz]
 
 The model is ``keras_app_case``'s application (MobileNet), written as a
 tensorpack ``ModelDesc`` holding a Keras model: built in the first tower on
@@ -25,6 +26,11 @@ one-device reference. Runs:
   tensorpack's towers themselves);
 * ``per-tower<N>``: the control, tf-keras' own layer under the same trainer.
 
+With ``REFERENCE.npz``, first (before anything is patched) the one-device
+reference of ``test_keras_models.py``: ``keras_app_case.train`` with
+tf-keras' own layers on the whole global batch, saved there (the test then
+needs no interpreter of its own for it).
+
 Writes ``OUT_DIR/result.npz`` (``losses/<run>``, ``var/<run>/<name>``) and
 ``OUT_DIR/result.json`` (per run: what ``tensorpack_harness.RecordLosses``
 counted, the layer class, or the error).
@@ -37,6 +43,7 @@ import tf_behavior
 tf_behavior.apply()
 
 OUT = sys.argv[1]
+REFERENCE = sys.argv[3] if len(sys.argv) > 3 else None
 # tensorpack_harness reads its output directory and configuration at import.
 sys.argv = [sys.argv[0], OUT, sys.argv[2]]
 import numpy as np  # noqa: E402
@@ -110,6 +117,10 @@ def main():
             return out, variables
         harness.keep_run(results, info, name, build)
 
+    if REFERENCE:
+        import tf_keras  # noqa: PLC0415
+        assert tf_keras.layers.BatchNormalization.__module__.startswith('tf_keras.')
+        np.savez(REFERENCE, **app.train([harness.GLOBAL_BATCH], 'one'))
     n = harness.CONFIG['towers'][0]
     with tf1_syncbn.keras.patch_keras():
         keep('ps%d' % n, SyncMultiGPUTrainerParameterServer(n), n)

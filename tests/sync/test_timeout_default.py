@@ -9,10 +9,11 @@ imported, for every layer that does not pass a backend object"; "``0`` or
 watchdog op (``SyncBnStepWatchdog``, attribute ``timeout_seconds``), and
 without the compiled library by TensorFlow's per-op collective timeout.
 
-Each value needs a fresh interpreter (the variable is read at import): the
-subprocesses run side by side, each builds a two-tower graph with one layer on
-the default backend and one on ``CollectiveBackend(timeout=7)``, and reports
-what it built.
+Each value needs a fresh import of tf1_syncbn (the variable is read at
+import): a process that has imported TensorFlow only forks one child per
+value; each child imports tf1_syncbn in that value's environment, builds a
+two-tower graph with one layer on the default backend and one on
+``CollectiveBackend(timeout=7)``, and reports what it built.
 """
 
 import json
@@ -24,43 +25,71 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SCRIPT = r'''
-import json, sys
-import tensorflow as tf
-import tf_behavior  # the case's TF behaviour (TF1_SYNCBN_TEST_BEHAVIOR)
-tf_behavior.apply()
-try:
-    import tf1_syncbn
-except ValueError as e:
-    print('REPORT ' + json.dumps({'import_error': str(e)}))
-    sys.exit(0)
-from tf1_syncbn import CollectiveBackend, kernels, sync_batch_norm
-from tower import call_for_each_tower
-
-report = {'default': CollectiveBackend().timeout, 'library': kernels.library() is not None}
-graph = tf.Graph()
-with graph.as_default():
-    def tower():
-        x = tf.compat.v1.placeholder(tf.float32, [None, 3])
-        return (sync_batch_norm(x, scope='default', sync_statistics='collective') +
-                sync_batch_norm(x, scope='explicit', sync_statistics=CollectiveBackend(timeout=7)))
-    call_for_each_tower(tower, ['/cpu:0', '/cpu:1'])
-    ops = graph.get_operations()
-    report['watchdogs'] = sorted(op.get_attr('timeout_seconds') for op in ops
-                                 if op.type == 'SyncBnStepWatchdog')
-    report['collective_ops'] = sum(1 for op in ops if op.type.startswith('CollectiveReduce'))
-    report['op_timeouts'] = sorted({op.get_attr('timeout_seconds') for op in ops
-                                    if op.type.startswith('CollectiveReduce')})
-print('REPORT ' + json.dumps(report))
-'''
-
-#: name -> extra environment (None: the variable unset).
+#: name -> extra environment (the variables unset otherwise).
 SETTINGS = {
     'unset': {},
     '45': {'TF1_SYNCBN_TIMEOUT': '45'},
     '45-without-library': {'TF1_SYNCBN_TIMEOUT': '45', 'TF1_SYNCBN_KERNELS': '0'},
     'inf': {'TF1_SYNCBN_TIMEOUT': 'inf'},
 }
+
+# One interpreter imports TensorFlow (most of a start's cost) but never tf1_syncbn;
+# for each setting it forks, and the child, in that setting's environment,
+# imports tf1_syncbn for the first time in its process (the import that reads
+# the variables), builds its graph and reports. Nothing creates a session or
+# runs a graph before the forks.
+SCRIPT = r'''
+import json, os, sys
+import tensorflow as tf
+import tf_behavior  # the case's TF behaviour (TF1_SYNCBN_TEST_BEHAVIOR)
+tf_behavior.apply()
+assert not [m for m in sys.modules if m.split('.')[0] in ('tf1_syncbn', 'tower')]
+SETTINGS = json.loads(sys.argv[1])
+
+
+def report(name):
+    for key in ('TF1_SYNCBN_TIMEOUT', 'TF1_SYNCBN_KERNELS'):
+        os.environ.pop(key, None)
+    os.environ.update(SETTINGS[name])
+    try:
+        import tf1_syncbn
+    except ValueError as e:
+        return {'import_error': str(e)}
+    from tf1_syncbn import CollectiveBackend, kernels, sync_batch_norm
+    from tower import call_for_each_tower
+
+    report = {'default': CollectiveBackend().timeout, 'library': kernels.library() is not None}
+    graph = tf.Graph()
+    with graph.as_default():
+        def tower():
+            x = tf.compat.v1.placeholder(tf.float32, [None, 3])
+            return (sync_batch_norm(x, scope='default', sync_statistics='collective') +
+                    sync_batch_norm(x, scope='explicit',
+                                    sync_statistics=CollectiveBackend(timeout=7)))
+        call_for_each_tower(tower, ['/cpu:0', '/cpu:1'])
+        ops = graph.get_operations()
+        report['watchdogs'] = sorted(op.get_attr('timeout_seconds') for op in ops
+                                     if op.type == 'SyncBnStepWatchdog')
+        report['collective_ops'] = sum(1 for op in ops if op.type.startswith('CollectiveReduce'))
+        report['op_timeouts'] = sorted({op.get_attr('timeout_seconds') for op in ops
+                                        if op.type.startswith('CollectiveReduce')})
+    return report
+
+
+for name in SETTINGS:
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            print('REPORT %s %s' % (name, json.dumps(report(name))))
+            status = 0
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+    os.waitpid(pid, 0)
+'''
 
 
 #: The timeout's settings, whatever the TF behaviour: the TF2-behaviour pass only (the
@@ -70,28 +99,21 @@ pytestmark = pytest.mark.once
 
 @pytest.fixture(scope='module')
 def reports():
-    """Every setting's report, from subprocesses started together (one import each)."""
-    procs = {}
-    for name, extra in SETTINGS.items():
-        env = {k: v for k, v in os.environ.items() if k != 'TF1_SYNCBN_TIMEOUT'}
-        env.update(extra, TF_CPP_MIN_LOG_LEVEL='3',
-                   PYTHONPATH=os.pathsep.join([ROOT, env.get('PYTHONPATH', '')]))
-        procs[name] = subprocess.Popen([sys.executable, '-c', SCRIPT], env=env, cwd=ROOT,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       text=True)
+    """Every setting's report, from one interpreter forked per setting (one TF import)."""
+    env = {k: v for k, v in os.environ.items() if k not in ('TF1_SYNCBN_TIMEOUT',
+                                                            'TF1_SYNCBN_KERNELS')}
+    env.update(TF_CPP_MIN_LOG_LEVEL='3',
+               PYTHONPATH=os.pathsep.join([ROOT, env.get('PYTHONPATH', '')]))
+    proc = subprocess.run([sys.executable, '-c', SCRIPT, json.dumps(SETTINGS)], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     results = {}
-    try:
-        for name, proc in procs.items():
-            out, err = proc.communicate(timeout=300)
-            lines = [line for line in out.splitlines() if line.startswith('REPORT ')]
-            results[name] = (json.loads(lines[-1][len('REPORT '):]) if lines else
-                             {'failed': 'exit %d\n%s\n%s' % (proc.returncode, out[-2000:],
-                                                            err[-3000:])})
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    for line in proc.stdout.splitlines():
+        if line.startswith('REPORT '):
+            name, text = line[len('REPORT '):].split(' ', 1)
+            results[name] = json.loads(text)
+    for name in SETTINGS:
+        results.setdefault(name, {'failed': 'exit %d\n%s\n%s' % (
+            proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])})
     return results
 
 
@@ -136,7 +158,7 @@ def test_inf_waits_forever(reports):
 @pytest.mark.parametrize('value', ['soon', '-5', 'nan'])
 def test_an_invalid_value_is_a_value_error_naming_the_variable(value):
     """What the import evaluates (``DEFAULT_TIMEOUT = timeout_from_environment()``,
-    shown to follow the variable by the subprocesses above), here without one
+    shown to follow the variable by the forked imports above), here without one
     more interpreter per value."""
     from tf1_syncbn.timeouts import timeout_from_environment  # noqa: PLC0415
     with pytest.raises(ValueError, match='TF1_SYNCBN_TIMEOUT') as info:

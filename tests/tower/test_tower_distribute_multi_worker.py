@@ -1,7 +1,7 @@
 """MultiWorkerMirroredStrategy (v1) across 2 worker processes equals tf-slim on one device.
 
 Two local worker processes (``tests/support/distribute_worker.py``, each with its own
-``TF_CONFIG``, started by :class:`tf1_syncbn.launch.Launcher`) each run one
+``TF_CONFIG``, forked by one interpreter that imported TensorFlow: ``--fork``) each run one
 replica of ``tf.compat.v1.distribute.experimental.MultiWorkerMirroredStrategy``
 in a TF1 graph, with a ``tf.distribute.Server`` and a session on its target,
 and train the model of ``strategy_case.py`` with two ``sync_batch_norm``
@@ -15,14 +15,16 @@ legacy Keras, ``legacy_reference.py``) on one device with the whole batch.
 With ``sync_statistics=None`` (per-worker statistics) the same comparison
 fails on both workers.
 
-The three runs (6 processes; in the TF1-behaviour pass one, 2 processes) start
-together and the reference runs while they do; each has a deadline (the
-strategy's own collectives have no timeout).
+The three runs (6 worker processes, forked from one TensorFlow import; in the
+TF1-behaviour pass one, 2 processes) start together and the reference runs
+while they do; they have a deadline (the strategy's own collectives have no
+timeout).
 """
 
+import json
 import os
+import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -31,7 +33,7 @@ import distribute_worker
 import tf_behavior
 from legacy_reference import run_reference
 from strategy_case import STEPS
-from tf1_syncbn.launch import Launcher, free_ports
+from tf1_syncbn.launch import free_ports, tf_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, 'tests', 'support', 'distribute_worker.py')
@@ -51,7 +53,7 @@ DEADLINE = 240
 COLLECTIVE_TIMEOUT = 120
 
 # Whichever test comes first runs the module fixture (at most DEADLINE, plus
-# the launchers' grace and the stopping of the workers).
+# the stopping of the workers still running then).
 pytestmark = pytest.mark.timeout(DEADLINE + 120)
 
 REFERENCE_SCRIPT = '''
@@ -69,9 +71,12 @@ print('RESULT slim_reference.npz')
 '''
 
 
-def _output(launcher):
-    return '\n'.join('[worker %d] %s' % (i, line)
-                     for i, lines in enumerate(launcher.lines) for line in lines)[-6000:]
+def _output(logs):
+    text = []
+    for rank, log in enumerate(logs):
+        with open(log) as f:
+            text += ['[worker %d] %s' % (rank, line) for line in f.read().splitlines()]
+    return '\n'.join(text)[-6000:]
 
 
 @pytest.fixture(scope='module')
@@ -79,33 +84,40 @@ def runs(tmp_path_factory):
     """Every run's worker results, ``{name: [worker 0's, worker 1's]}``, and the reference."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3',
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]))
-    launchers, outs = {}, {}
+    jobs, outs, logs = [], {}, {}
     # Every port at once, so that two runs never get the same one.
     ports = iter(free_ports(2 * len(RUNS)))
     for name, (sizes, sync) in RUNS.items():
         outs[name] = str(tmp_path_factory.mktemp('mwms_' + name))
-        launchers[name] = Launcher(
-            [sys.executable, WORKER, '--sizes', sizes, '--sync', sync, '--out', outs[name],
-             '--timeout', str(COLLECTIVE_TIMEOUT)],
-            2, env=env, output=None, grace=10,
-            addresses=['localhost:%d' % next(ports) for _ in range(2)])
+        addresses = ['localhost:%d' % next(ports) for _ in range(2)]
+        logs[name] = [os.path.join(outs[name], 'worker%d.log' % rank) for rank in range(2)]
+        jobs += [{'argv': ['--sizes', sizes, '--sync', sync, '--out', outs[name],
+                           '--timeout', str(COLLECTIVE_TIMEOUT)],
+                  'tf_config': tf_config(addresses, rank), 'log': logs[name][rank]}
+                 for rank in range(2)]
+    request = str(tmp_path_factory.mktemp('mwms_jobs') / 'jobs.json')
+    with open(request, 'w') as f:
+        json.dump({'jobs': jobs, 'deadline': DEADLINE}, f)
+    # The workers: one interpreter forked per worker (distribute_worker.fork_workers).
+    workers = subprocess.Popen([sys.executable, WORKER, '--fork', request], env=env, cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        for launcher in launchers.values():
-            launcher.start()
-        deadline = time.time() + DEADLINE
         tmp = tmp_path_factory.mktemp('mwms_reference')
         run_reference(REFERENCE_SCRIPT, tmp, args=[distribute_worker.SLIM_LAYER, str(TOTAL)],
                       timeout=DEADLINE)     # (also within the deadline: it starts at once)
         reference = dict(np.load(str(tmp / 'slim_reference.npz')))
-        statuses = {name: launcher.wait(timeout=max(1.0, deadline - time.time()))
-                    for name, launcher in launchers.items()}
+        out, err = workers.communicate(timeout=DEADLINE + 60)
     finally:
-        for launcher in launchers.values():
-            launcher.stop()          # (a no-op for workers that exited)
+        if workers.poll() is None:
+            workers.kill()
+            workers.wait()
+    lines = [line for line in out.splitlines() if line.startswith('STATUSES ')]
+    assert lines, 'the workers\' parent failed: status %s\n%s' % (workers.returncode, err[-4000:])
+    statuses = iter(json.loads(lines[-1][len('STATUSES '):]))
     results = {}
-    for name, launcher in launchers.items():
-        assert statuses[name] == 0, '%s: status %s\n%s' % (name, statuses[name],
-                                                          _output(launcher))
+    for name in RUNS:
+        status = [next(statuses) for _ in range(2)]
+        assert status == [0, 0], '%s: statuses %s\n%s' % (name, status, _output(logs[name]))
         results[name] = [dict(np.load(os.path.join(outs[name], 'worker%d.npz' % rank)))
                          for rank in range(2)]
     return results, reference
