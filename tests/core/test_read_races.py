@@ -173,9 +173,13 @@ def _model_step(layer):
 
 
 # Slow paths only: the kernel sets do not take part (see READ_CASES), one run
-# each, in both behaviours (the order of AddN's sums is at stake in both).
+# each. The order of AddN's sums is at stake in both behaviours: the TF1 pass
+# runs the two synchronized slow paths (tf_behavior.pick); tf.layers' is the
+# same core path behind another front-end, the per-tower one the same path
+# without the all-reduce (the copy of beta's and gamma's gradients,
+# _own_gradient_buffer, is built the same way in all four).
 @pytest.mark.parametrize('kernel_impl', ['custom'], indirect=True)
-@pytest.mark.parametrize('case', sorted(SLOW_LAYERS))
+@pytest.mark.parametrize('case', tf_behavior.pick(sorted(SLOW_LAYERS), ['fused=False', 'renorm']))
 def test_identical_steps_give_identical_gradient_sums(graph, kernel_impl, case):
     """The towers' summed gradients, and the updated variables, are the same in identical steps.
 
