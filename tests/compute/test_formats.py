@@ -4,13 +4,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import suite_scope
 from bn_reference import bn_backward, bn_forward, build_towers, split_batches, var
 from conftest import make_session
 from tf1_syncbn import CollectiveBackend, sync_batch_norm
 
 tf1 = tf.compat.v1
-# Every test runs with the compiled CPU kernels and with TF's stock kernels.
-pytestmark = pytest.mark.usefixtures('kernel_impl')
 EPS = 1e-3
 
 CASES = [
@@ -27,8 +26,26 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize('example_shape,data_format,channels_last', CASES)
-def test_formats(graph, rng, example_shape, data_format, channels_last):
+# Each format on the compiled CPU kernels; on TF's stock kernels (a case costs
+# about 5x as much there) four (suite_scope.covering; make test-full: every
+# format on both sets). The kernel sets never see the format: the layer hands
+# them a canonical 4-D view, NHWC or NCHW, of any rank and data format
+# (tf1_syncbn._compute.math.canonical_view, before the kernel set is called):
+# the input itself at rank 4 (static shape), a reshape elsewhere (its spatial
+# size dynamic). The four reach each view the stock set computes: NHWC and
+# NCHW, each as a rank-4 input and as a reshaped rank-3 one; the view code of
+# every format runs on the compiled set.
+PRODUCT = [(kernels,) + case for kernels in ('custom', 'stock') for case in CASES]
+COVERING = [('custom',) + case for case in CASES] + [
+    ('stock',) + case for case in CASES if case[:2] in (
+        ((6, 5), 'NHWC'), ((5, 6), 'NCHW'), ((3, 4, 5), 'NHWC'), ((5, 3, 4), 'NCHW'))]
+
+
+@pytest.mark.parametrize('kernel_impl,example_shape,data_format,channels_last',
+                         [pytest.param(*c, id='%s-%s-rank%d' % (c[0], c[2], len(c[1]) + 1))
+                          for c in suite_scope.covering(PRODUCT, COVERING)],
+                         indirect=['kernel_impl'])
+def test_formats(graph, rng, kernel_impl, example_shape, data_format, channels_last):
     sizes = [3, 1, 2]
     layer = lambda x: sync_batch_norm(x, scale=True, decay=0.0, epsilon=EPS,
                                       data_format=data_format,

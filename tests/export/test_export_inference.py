@@ -27,6 +27,13 @@ import sys
 import numpy as np
 import pytest
 
+if __name__ != '__main__':
+    from tf_behavior import pick
+else:   # the script's processes (the serving one has no tests/support) run no test
+    def pick(cases, v1_cases):
+        del v1_cases
+        return cases
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 #: The helpers and the scripts the tests start.
@@ -168,9 +175,11 @@ def _freeze_with_tensorflow(directory):
     return data, reference
 
 
-def build(directory):
-    import tf_behavior
-    tf_behavior.apply()
+def build(directory, apply_behavior=True):
+    """Trains and exports every case into ``directory``; ``apply_behavior``: in a new process."""
+    if apply_behavior:
+        import tf_behavior
+        tf_behavior.apply()
     expected = {}
     for case in sorted(CASES):
         x, reference = _export_case(case, directory)
@@ -231,7 +240,10 @@ def _run(mode, directory, env=None):
 @pytest.fixture(scope='module')
 def exported(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp('export'))
-    _run('build', directory)
+    # The training side in this process (in the run's TF behaviour, as the
+    # script's ``build DIR`` would in a process of its own, one TensorFlow
+    # import less); the serving side in its own process, without the library.
+    build(directory, apply_behavior=False)
     # The serving process: no tf1_syncbn on its path, TF2 as installed.
     results = json.loads(_run('load', directory, {'PYTHONPATH': ''}).strip().splitlines()[-1])
     with open(os.path.join(directory, 'expected.json')) as f:
@@ -426,8 +438,12 @@ def test_exported_graphs_hold_no_device_even_in_function_bodies(graph, tmp_path)
         assert placed == [], where
 
 
-@pytest.mark.parametrize('towers,kind,scope', [(1, 'python', 'restored'),
-                                               (4, 'tensor', 'restored/run_2')])
+# The TF1-behaviour pass: the tensor is_training case (v1 tf.cond's
+# Switch/Merge in the imported graph, tf_behavior.pick); the scope's prefix on
+# the records is plain Python, the same in both behaviours.
+@pytest.mark.parametrize('towers,kind,scope', pick(
+    [(1, 'python', 'restored'), (4, 'tensor', 'restored/run_2')],
+    [(4, 'tensor', 'restored/run_2')]))
 def test_a_graph_imported_with_an_import_scope_exports(towers, kind, scope, tmp_path):
     """``import_meta_graph(..., import_scope=...)`` prefixes the scope onto the records too.
 

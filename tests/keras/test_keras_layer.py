@@ -27,6 +27,8 @@ import tensorflow as tf
 
 import keras_cases
 import reference_cases
+import suite_scope
+import tf_behavior
 from keras_cases import MODEL, RUN_CASES
 from parity_harness import DEFAULT_SIZES, assert_same_numbers, case_data, train_case
 from without_onednn import kernel_set, kernel_cases
@@ -37,9 +39,20 @@ tf1 = tf.compat.v1
 exec(MODEL)  # noqa: S102 - defines keras_apply here, as in the reference
 # The multi-tower cases that also run on the stock kernels with oneDNN off (in
 # test_keras_models' child run, with the model's): the fused path (NHWC,
-# NCHW), the non-fused one (rank 2), a bool-tensor training, renorm, float16.
-STOCK_CASES = [c for c in RUN_CASES if c['name'] in (
-    'rank4', 'rank4-axis1', 'rank2', 'training_tensor-rank4', 'renorm-rank4', 'float16-rank4')]
+# NCHW), rank 2, a bool-tensor training, float16. renorm-rank4 runs on the
+# stock kernels in make test-full only (suite_scope.covering): renorm takes the
+# core's slow path, which no kernel set computes, and its oneDNN-off run is
+# test_slim_renorm_claims' and the parity modules'. The TF1-behaviour pass runs
+# the stock cases whose kernel-set calls TF1 changes (tf_behavior.pick): inside
+# v1 tf.cond's Switch/Merge (a bool-tensor training), and 16-bit inputs under
+# TF1's dtype rules; its rank-4 and rank-2 cases run on the compiled set.
+STOCK_CASES = tf_behavior.pick(suite_scope.covering(
+    [c for c in RUN_CASES if c['name'] in ('rank4', 'rank4-axis1', 'rank2',
+                                           'training_tensor-rank4', 'renorm-rank4',
+                                           'float16-rank4')],
+    [c for c in RUN_CASES if c['name'] in ('rank4', 'rank4-axis1', 'rank2',
+                                           'training_tensor-rank4', 'float16-rank4')]),
+    [c for c in RUN_CASES if c['name'] in ('training_tensor-rank4', 'float16-rank4')])
 NAMES = [c['name'] for c in RUN_CASES]
 # One tower, where the layer normalizes alone (the core's local path): one case
 # per path of tf-keras' (fused NHWC / NCHW, non-fused, a view, 16-bit, renorm,

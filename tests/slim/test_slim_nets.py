@@ -278,6 +278,8 @@ def test_vgg16_builds_on_two_towers_and_matches_one_tower_forward():
     _assert_close(logits_m, logits_s, 1e-3, 'vgg_16 logits')
 
 
+@pytest.mark.once(reason='the arg scope reaching direct calls is Python; the TF1 pass builds '
+                  'and trains resnet_v1_50 through the same layer')
 def test_resnet_v2_per_tower_statistics_reach_direct_batch_norm_calls():
     """sync_statistics=None reaches every layer, also resnet_v2's direct calls."""
     name = 'resnet_v2_50'
@@ -314,6 +316,7 @@ def test_resnet_v1_inference_reaches_every_layer():
 # --------------------------------------------------------------------------
 # convert_arg_scope / patch_slim_batch_norm, without building nets.
 
+@pytest.mark.once(reason='convert_arg_scope on dicts (Python only)')
 def test_convert_arg_scope_rewrites_normalizer_and_batch_norm_entries():
     scope = resnet_v1.resnet_arg_scope(batch_norm_decay=0.9)
     before = {k: dict(v) for k, v in scope.items()}
@@ -333,6 +336,7 @@ def test_convert_arg_scope_rewrites_normalizer_and_batch_norm_entries():
     assert convert.is_slim_batch_norm(scope[conv_key]['normalizer_fn'])
 
 
+@pytest.mark.once(reason='convert_arg_scope on dicts (Python only)')
 def test_convert_keeps_inception_variables_collections():
     converted = convert.convert_arg_scope(inception_v3.inception_v3_arg_scope())
     conv_key = slim_arg_scope.arg_scope_func_key(slim.conv2d)
@@ -341,6 +345,7 @@ def test_convert_keeps_inception_variables_collections():
     assert params['fused'] is True and params['sync_statistics'] == 'auto'
 
 
+@pytest.mark.once(reason='convert_arg_scope on dicts (Python only)')
 def test_add_normalizer_to_respects_existing_normalizers():
     with slim.arg_scope([slim.fully_connected], normalizer_fn=None):
         scope = slim_arg_scope.current_arg_scope()

@@ -35,6 +35,8 @@ import pytest
 import tensorflow as tf
 
 import reference_cases
+import suite_scope
+import tf_behavior
 from parity_harness import DEFAULT_SIZES, STEPS, assert_same_numbers, case_data, train_case
 from tf1_syncbn import CollectiveBackend, sync_batch_norm
 from without_onednn import kernel_set, kernel_cases, run_stock_cases_without_onednn
@@ -93,18 +95,43 @@ CASES = [
 ]
 NAMES = [c['name'] for c in CASES]
 REFERENCE_DIR_VARIABLE = 'TF1_SYNCBN_TEST_RENORM_REFERENCE'
+# On the stock kernels: the two cases with all three options. Renorm always
+# takes the core's slow path, which no kernel set computes (TensorFlow's ops on
+# either set); what the stock set's run adds is its child run with oneDNN off
+# where oneDNN is on (test_stock_kernels_without_onednn): TensorFlow's plain
+# kernels for every option, NCHW and rank 2 included, which these two reach
+# (suite_scope.covering; make test-full: every case).
+STOCK_CASES = suite_scope.covering(CASES, [c for c in CASES if c['name'] in (
+    'all-three-NCHW', 'all-three-rank2')])
+# The TF1-behaviour pass (tf_behavior.pick): the cases with all three options,
+# one tower and 3 towers (compiled kernels; NCHW on the stock ones too). What
+# TF1 behaviour changes here: reference variables (renorm's statistics read
+# in the step that assigns them, updates_collections=None's assignments inside
+# the layer, zero-debiasing's biased and local_step variables), which the
+# cases with all three options reach together.
+V1_NAMES = ('all-three-NCHW', 'all-three-rank2')
+V1_TOWER_IDS = ('custom-all-three-NCHW', 'custom-all-three-rank2', 'stock-all-three-NCHW')
+# The cases this run trains (the reference trains these only).
+RUN_CASES = tf_behavior.pick(CASES, [c for c in CASES if c['name'] in V1_NAMES])
 
 
 @pytest.fixture(scope='module')
 def reference_dir(tmp_path_factory):
-    """slim's plain renorm on every case's equivalent problem, in one subprocess."""
-    return reference_cases.reference_dir(tmp_path_factory, 'renorm_reference', CASES, MODEL,
+    """slim's plain renorm on this run's cases' equivalent problems, in one subprocess."""
+    return reference_cases.reference_dir(tmp_path_factory, 'renorm_reference', RUN_CASES, MODEL,
                                          REFERENCE_APPLY, REFERENCE_DIR_VARIABLE)
 
 
 @pytest.fixture(scope='module')
 def slim_arrays(reference_dir):
-    return reference_cases.load_arrays(reference_dir, CASES, 'tf-slim')
+    return reference_cases.load_arrays(reference_dir, RUN_CASES, 'tf-slim')
+
+
+def _tower_params():
+    params = kernel_cases(CASES, STOCK_CASES)
+    if tf_behavior.is_v1():
+        params = [p for p in params if p.id in V1_TOWER_IDS]
+    return params
 
 
 def _expected(case, slim_result, ours):
@@ -124,7 +151,7 @@ def _expected(case, slim_result, ours):
         expected['var/%d/net/bn/moving_mean' % step] = slim_mean / (1 - decay ** (step + 1))
     last = 'var/%d/net/bn/' % (STEPS - 1)
     channels_last = case['kwargs']['data_format'] == 'NHWC' or len(case['shape']) == 2
-    x = case_data(case, CASES.index(case))['x/eval'].astype(np.float64)
+    x = case_data(case, RUN_CASES.index(case))['x/eval'].astype(np.float64)
     if not channels_last:
         x = np.moveaxis(x, 1, -1)
     y = ((x - expected[last + 'moving_mean']) /
@@ -140,29 +167,31 @@ def _ours(case, sizes, kernel_impl=None):
         layer = functools.partial(sync_batch_norm, sync_statistics=CollectiveBackend(timeout=60))
     with kernel_set(kernel_impl) if kernel_impl else contextlib.nullcontext():
         ours, info = train_case(lambda *args: renorm_apply(layer, case, *args), case,  # noqa: F821
-                                CASES.index(case), sizes)
+                                RUN_CASES.index(case), sizes)
     if kernel_impl == 'stock':
         assert info['kernel_ops'] == 0, 'the stock kernel set used the compiled kernels'
     return ours, info
 
 
-@pytest.mark.parametrize('case', CASES, ids=NAMES)
+@pytest.mark.parametrize('case', RUN_CASES, ids=lambda case: case['name'])
 def test_one_tower_is_slims_renorm_on_the_equivalent_problem(slim_arrays, case):
     ours, info = _ours(case, [case['shape'][0]])
-    assert_same_numbers(ours, _expected(case, slim_arrays[CASES.index(case)], ours), case, 1)
+    assert_same_numbers(ours, _expected(case, slim_arrays[RUN_CASES.index(case)], ours), case,
+                        1)
     if case.get('updates_none'):
         assert not info['update_ops']
 
 
-@pytest.mark.parametrize('kernel_impl,case', kernel_cases(CASES, CASES))
+@pytest.mark.parametrize('kernel_impl,case', _tower_params())
 def test_towers_are_slims_renorm_on_the_concatenated_batch(slim_arrays, case, kernel_impl):
     ours, info = _ours(case, DEFAULT_SIZES, kernel_impl)
-    assert_same_numbers(ours, _expected(case, slim_arrays[CASES.index(case)], ours), case,
+    assert_same_numbers(ours, _expected(case, slim_arrays[RUN_CASES.index(case)], ours), case,
                         len(DEFAULT_SIZES))
     if case.get('updates_none'):
         assert not info['update_ops']
 
 
+@pytest.mark.once(reason='a check of the reference emulations, the same in both behaviours')
 def test_the_emulations_are_not_plain_renorm(slim_arrays):
     """Each emulation changes what it must, so that the comparisons above test the option.
 
@@ -172,22 +201,22 @@ def test_the_emulations_are_not_plain_renorm(slim_arrays):
     first step.
     """
     case = CASES[NAMES.index('batch_weights')]
-    data = case_data(case, CASES.index(case))
+    data = case_data(case, RUN_CASES.index(case))
     x, w = data['x/0'].astype(np.float64).reshape(-1, 3), data['w/0'].astype(np.float64)
     w = np.repeat(w, x.shape[0] // len(w))
     assert set(np.unique(w)) == {1.0, 2.0, 3.0}
     weighted, plain = (w[:, None] * x).sum(0) / w.sum(), x.mean(0)
-    moving = slim_arrays[CASES.index(case)]['var/0/net/bn/moving_mean']
+    moving = slim_arrays[RUN_CASES.index(case)]['var/0/net/bn/moving_mean']
     np.testing.assert_allclose(moving, 0.2 * weighted, rtol=1e-5)
     assert np.abs(weighted - plain).min() > 1e-2
     case = CASES[NAMES.index('zero_debias')]
     ours, _ = _ours(case, [case['shape'][0]])
     ratio = ours['var/0/net/bn/moving_mean'] / \
-        slim_arrays[CASES.index(case)]['var/0/net/bn/moving_mean']
+        slim_arrays[RUN_CASES.index(case)]['var/0/net/bn/moving_mean']
     np.testing.assert_allclose(ratio, 1 / 0.2, rtol=1e-4)
 
 
 @pytest.mark.once(reason='the parity modules run renorm on the stock kernels in TF1 behaviour')
 def test_stock_kernels_without_onednn(reference_dir, tmp_path):
-    run_stock_cases_without_onednn(__file__, tmp_path, expected=len(CASES),
+    run_stock_cases_without_onednn(__file__, tmp_path, expected=len(STOCK_CASES),
                                    extra_env={REFERENCE_DIR_VARIABLE: str(reference_dir)})
