@@ -19,10 +19,13 @@ TensorFlow's own differentiable ops (``tf.nn.moments``, biased variance),
 differentiated by TensorFlow: independent of the library.
 """
 
+import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import suite_scope
 import tf_behavior
 from bn_reference import split_batches
 from conftest import make_session
@@ -60,8 +63,30 @@ LAYERS = {
         x, training=True, epsilon=EPS, virtual_batch_size=8,
         gamma_initializer=tf1.constant_initializer(GAMMA)),
 }
-PICKED = tf_behavior.pick(sorted(LAYERS), ['slim/fused/tensor-is_training',
-                                           'slim/fused=False'])
+#: The layers whose graph the kernel set changes (the compiled kernels or
+#: TensorFlow's fused ones, and their gradients): the fused op, with a Python or
+#: a tensor is_training, through slim's and tensorpack's front-ends. The global
+#: moments (fused=False) and ghost batches build the same graph on both: no
+#: kernel of either set (the test checks both).
+KERNEL_DEPENDENT = ('slim/fused', 'slim/fused/tensor-is_training', 'tensorpack')
+PRODUCT = [(kernels, layer) for kernels in ('custom', 'stock') for layer in sorted(LAYERS)]
+# make test (suite_scope.covering; make test-full all 10): every layer on the
+# compiled kernels, and on the stock kernels the fused op through slim with a
+# Python and a tensor is_training. Left out: fused=False and the ghost path on
+# the stock kernels (the same graph as on the compiled ones: no kernel of
+# either set in it), and tensorpack's front-end on the stock kernels (the same
+# core and kernel ops as slim/fused's on either kernel set, plus the front-end's
+# own: the front-end is covered on the compiled kernels, the stock kernels'
+# second-order path by slim/fused).
+COVERING = [case for case in PRODUCT if case[0] == 'custom' or
+            case[1] in ('slim/fused', 'slim/fused/tensor-is_training')]
+# The TF1-behaviour pass: is_training as a tensor (a v1 tf.cond: Switch/Merge
+# around the fused op and its gradients of both orders) on both kernel sets, and
+# the global moments' (reference variables read by the gradients).
+PICKED = tf_behavior.pick(suite_scope.covering(PRODUCT, COVERING),
+                          [('custom', 'slim/fused/tensor-is_training'),
+                           ('stock', 'slim/fused/tensor-is_training'),
+                           ('custom', 'slim/fused=False')])
 
 
 def _penalized(x, weights, bn, pull):
@@ -81,8 +106,18 @@ def _penalized(x, weights, bn, pull):
     return penalty, tf.gradients(loss + penalty, params + [x])
 
 
-def _reference(x, pull):
-    """The one-device result in float64 (TensorFlow's own ops, not the library)."""
+@functools.lru_cache(maxsize=None)
+def _data():
+    """The global batch ``x`` and the loss's ``pull`` (8 examples: every case splits them)."""
+    rng = np.random.RandomState(11)
+    x = (rng.randn(8, *SHAPE) * 2 + 1).astype(np.float32)
+    return x, rng.randn(8, *SHAPE).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference():
+    """The one-device result in float64 (TensorFlow's own ops, not the library), once."""
+    x, pull = (a.astype(np.float64) for a in _data())
     graph = tf.Graph()
     with graph.as_default():
         xt, pt = tf.constant(x, tf.float64), tf.constant(pull, tf.float64)
@@ -101,13 +136,23 @@ def _reference(x, pull):
             return sess.run([penalty, grads])
 
 
-@pytest.mark.parametrize('layer', PICKED)
+def _kernel_op_types(graph):
+    """The batch-norm kernels' op types in ``graph`` and its functions (v2 cond branches).
+
+    (Not the step watchdog's op, which any synchronized layer has.)
+    """
+    graph_def = graph.as_graph_def()
+    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+    return {n.op for n in nodes if n.op.startswith(('SyncBn', 'FusedBatchNorm')) and
+            n.op != 'SyncBnStepWatchdog'}
+
+
+@pytest.mark.parametrize('kernel_impl,layer', PICKED, indirect=['kernel_impl'],
+                         ids=['%s-%s' % case for case in PICKED])
 def test_a_gradient_penalty_equals_one_device(graph, kernel_impl, layer):
     sizes = [4, 4] if layer == 'tf.layers/ghost' else SIZES      # ghost: equal shares
-    rng = np.random.RandomState(11)
-    x = (rng.randn(sum(sizes), *SHAPE) * 2 + 1).astype(np.float32)
-    pull = rng.randn(sum(sizes), *SHAPE).astype(np.float32)
-    want_penalty, want = _reference(x.astype(np.float64), pull.astype(np.float64))
+    x, pull = _data()
+    want_penalty, want = _reference()
 
     xs = [tf1.placeholder(tf.float32, [None] + SHAPE, name='x%d' % i) for i in range(len(sizes))]
     pulls = [tf1.placeholder(tf.float32, [None] + SHAPE, name='pull%d' % i)
@@ -122,9 +167,11 @@ def test_a_gradient_penalty_equals_one_device(graph, kernel_impl, layer):
     towers = call_for_each_tower(tower, ['/cpu:%d' % i for i in range(len(sizes))])
     feed = dict(zip(xs, split_batches(x, sizes)))
     feed.update(zip(pulls, split_batches(pull, sizes)))
-    with make_session(graph) as sess:
+    with make_session(graph, len(sizes)) as sess:
         sess.run(tf1.global_variables_initializer())
         got = sess.run(towers, feed)
+    kernel_ops = _kernel_op_types(graph)
+    assert bool(kernel_ops) == (layer in KERNEL_DEPENDENT), kernel_ops
     penalty = sum(p for p, _ in got)
     np.testing.assert_allclose(penalty, want_penalty, rtol=1e-4)
     # float32 against float64: 2e-4 of each gradient's own scale, plus 1e-7 of the

@@ -36,6 +36,7 @@ Controls: a layer that ignores the getter fails the comparison, in every
 
 import collections
 import functools
+import json
 
 import numpy as np
 import pytest
@@ -44,7 +45,7 @@ import tensorflow as tf
 import getter_case
 import tf_behavior
 from getter_case import LEGACY_CASES, MODES, UNSUPPORTED_CASES, legacy_key, seed_layer, train
-from layers_reference import reference as run_layers_reference
+from legacy_reference import run_reference
 import tf1_syncbn
 from tf1_syncbn import BatchNorm, CollectiveBackend, kernels, sync_batch_norm
 
@@ -124,11 +125,37 @@ def test_a_layer_that_ignores_the_getter_fails_the_comparison(mode):
         assert_same(plain, _seed('layers', mode), 'layers')
 
 
+#: The replaced layers under the getter (getter_case.run_legacy_cases), alone in
+#: a legacy-Keras subprocess: what layers_reference.py also runs among the
+#: layers modules' references, without those (a module of its own need not wait
+#: for them where no layers module shares its test process).
+LEGACY_SCRIPT = '''
+import json, sys
+import numpy as np
+import tf_behavior  # the case's TF behaviour (TF1_SYNCBN_TEST_BEHAVIOR)
+tf_behavior.apply()
+import getter_case
+
+arrays, errors = getter_case.run_legacy_cases()
+np.savez(sys.argv[1] + '.npz', **{key + '|' + name: value for key, values in arrays.items()
+                                  for name, value in values.items()})
+with open(sys.argv[1] + '.json', 'w') as f:
+    json.dump(errors, f)
+print('RESULT ' + sys.argv[1])
+'''
+
+
 @pytest.fixture(scope='module')
 def legacy(tmp_path_factory):
     """The replaced layers' ``(arrays by case, errors by case)`` (``run_legacy_cases``)."""
-    results = run_layers_reference(tmp_path_factory)
-    return results['getter'], results['getter_errors']
+    tmp = tmp_path_factory.mktemp('getter_legacy_reference')
+    run_reference(LEGACY_SCRIPT, tmp, args=[str(tmp / 'getter')], timeout=600)
+    arrays = {}
+    loaded = np.load(tmp / 'getter.npz')
+    for name in loaded.files:
+        key, array = name.split('|', 1)
+        arrays.setdefault(key, {})[array] = loaded[name]
+    return arrays, json.loads((tmp / 'getter.json').read_text())
 
 
 @pytest.mark.parametrize('front_end,mode,which', LEGACY_CASES,

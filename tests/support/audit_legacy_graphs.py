@@ -3,10 +3,10 @@
 Run by ``tests/audit/test_audit.py`` through ``legacy_reference.run_reference`` (a
 fresh interpreter with legacy Keras, which these layers need on TF 2.21)::
 
-    python audit_legacy_graphs.py OUT_DIR
+    python audit_legacy_graphs.py OUT_DIR [CASE ...]
 
-Builds each graph of :data:`CASES` the way its users build it (nothing is
-trained) and writes ``OUT_DIR/<case>.meta`` (``export_meta_graph``, the
+Builds each graph of :data:`CASES` (or only the cases named) the way its
+users build it (nothing is trained) and writes ``OUT_DIR/<case>.meta`` (``export_meta_graph``, the
 train op in its ``train_op`` collection) and ``OUT_DIR/cases.json``
 (``{case: [op names one training step runs]}``, or ``{"error": ...}``).
 """
@@ -169,7 +169,12 @@ CASES = {
 def main():
     _towers_on_virtual_cpus()
     results = {}
-    for name, build in CASES.items():
+    names = sys.argv[2:] or list(CASES)
+    unknown = sorted(set(names) - set(CASES))
+    if unknown:
+        raise SystemExit('audit_legacy_graphs: no such cases: %s' % ', '.join(unknown))
+    for name in names:
+        build = CASES[name]
         try:
             graph, step = build()
             results[name] = audit_cases.export(graph, step, os.path.join(OUT, name + '.meta'))

@@ -24,9 +24,12 @@ NCHW tensor, since CPU convolutions are NHWC only), and for every kernel set
 in ``CONFIG['kernel_sets']`` (``custom``: the compiled CPU kernels; ``stock``:
 TensorFlow's, run names ending in ``@stock``; switched in-process with
 ``tf1_syncbn.kernels.use_custom_kernels``; oneDNN follows the environment's
-``TF_ENABLE_ONEDNN_OPTS``). Each run records how many compiled-kernel ops its
+``TF_ENABLE_ONEDNN_OPTS``); or only the runs of ``CONFIG['runs']``
+(``[kind, towers, data format, kernel set]`` each), with the reference for
+each layout they use. Each run records how many compiled-kernel ops its
 graph has. Then it scores a held-out batch twice with tensorpack's
-``OfflinePredictor`` on the first ``ps<N>`` checkpoint. Everything tensorpack
+``OfflinePredictor`` on the first ``ps<N>`` checkpoint (channels-last where
+there is one). Everything tensorpack
 does is tensorpack's own code, with one override, documented at
 ``_towers_on_virtual_cpus``. It writes
 ``OUT_DIR/result.npz`` (losses, checkpoint variables, predictor outputs) and
@@ -267,6 +270,23 @@ def save(results, info):
     print('RESULT', os.path.join(OUT, 'result.npz'))
 
 
+KINDS = ('ps', 'replicated', 'patched')
+
+
+def run_list():
+    """The training runs: ``CONFIG['runs']`` (``[kind, towers, data format, kernel set]``
+    each), or every kind for every layout, kernel set and number of towers."""
+    if 'runs' in CONFIG:
+        return [tuple(run) for run in CONFIG['runs']]
+    return [(kind, n, fmt, kernel_set) for fmt in DATA_FORMATS for kernel_set in KERNEL_SETS
+            for n in CONFIG['towers'] for kind in KINDS]
+
+
+def run_name(kind, towers, fmt, kernel_set):
+    """``ps2``, ``replicated4-nchw``, ``patched2@stock``, ...: the run's name in the results."""
+    return '%s%d%s%s' % (kind, towers, SUFFIX[fmt], SUFFIX[kernel_set])
+
+
 def main():
     results, info = {}, {'argscope': argscope_channels_first()}
 
@@ -274,29 +294,34 @@ def main():
         keep_run(results, info, name, build)
 
     info['kernels'] = tf1_syncbn_kernels.status()
+    runs = run_list()
     # keep() calls each lambda at once: the loop variables they read are current (B023).
     for fmt in DATA_FORMATS:
+        if not any(run[2] == fmt for run in runs):
+            continue
         suffix = SUFFIX[fmt]
         keep('reference' + suffix, lambda: train('reference' + suffix,  # noqa: B023
                                                  Model(tensorpack_bn, fmt), SimpleTrainer(), 1))  # noqa: B023
-        for kernel_set in KERNEL_SETS:
+        for kind, n, _, kernel_set in [run for run in runs if run[2] == fmt]:
+            name = run_name(kind, n, fmt, kernel_set)
             with tf1_syncbn_kernels.use_custom_kernels(kernel_set == 'custom'):
-                for n in CONFIG['towers']:
-                    end = suffix + SUFFIX[kernel_set]
-                    name = 'ps%d%s' % (n, end)
+                if kind == 'ps':
                     keep(name, lambda: train(name, Model(synced_bn, fmt),  # noqa: B023
                                              SyncMultiGPUTrainerParameterServer(n), n))  # noqa: B023
-                    name = 'replicated%d%s' % (n, end)
+                elif kind == 'replicated':
                     keep(name, lambda: train(name, Model(synced_bn, fmt),  # noqa: B023
                                              SyncMultiGPUTrainerReplicated(n, mode='cpu'), n))  # noqa: B023
-                    name = 'patched%d%s' % (n, end)
+                else:
                     with tf1_syncbn.patch_tensorpack(sync_statistics='collective') as patch:
                         info.setdefault('patched_modules', patch.patched_modules)
                         keep(name, lambda: train(name, LinearWrapModel(fmt),  # noqa: B023
                                                  SyncMultiGPUTrainerParameterServer(n), n))  # noqa: B023
     info['restored'] = BatchNorm is sys.modules['tensorpack'].BatchNorm and \
         'tf1_syncbn' not in BatchNorm.__module__
-    info['predicted_run'] = 'ps%d%s' % (CONFIG['towers'][0], SUFFIX[KERNEL_SETS[0]])
+    # The first parameter-server run, channels-last where there is one.
+    ps_runs = sorted((run for run in runs if run[0] == 'ps'),
+                     key=lambda run: run[2] != 'channels_last')
+    info['predicted_run'] = run_name(*ps_runs[0])
     checkpoint = info[info['predicted_run']].get('checkpoint')
     if checkpoint:
         for k, v in predict(checkpoint).items():

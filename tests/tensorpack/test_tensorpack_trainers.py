@@ -11,11 +11,13 @@ name, switched by ``tf1_syncbn.patch_tensorpack()``. Then tensorpack's
 override of tensorpack puts its hard-coded ``'/gpu:k'`` towers on ``'/cpu:k'``
 (see ``_towers_on_virtual_cpus`` there).
 
-Every run is made for both layouts (``channels_last``, and the layer on
-``channels_first``) and twice: on the compiled CPU kernels in one subprocess,
-and on the stock kernels with TensorFlow's oneDNN rewrites off
+The runs are made for both layouts (``channels_last``, and the layer on
+``channels_first``), on the compiled CPU kernels in one subprocess, and on the
+stock kernels with TensorFlow's oneDNN rewrites off
 (``TF_ENABLE_ONEDNN_OPTS=0 TF1_SYNCBN_KERNELS=0``: the CPU stand-in for GPU
-towers, read at process start) in another. (The harness can also run the
+towers, read at process start) in another: ``make test`` a covering set of
+trainer x layout x towers x kernel set (``COVERING``), ``make test-full``
+every run. (The harness can also run the
 stock kernels with oneDNN on: ``kernel_sets`` of ``PROCESSES``.) The
 reference (tensorpack's own layer) runs in each subprocess.
 """
@@ -26,23 +28,51 @@ import os
 import numpy as np
 import pytest
 
+import suite_scope
 import tf_behavior
 from legacy_reference import run_reference
 
 SUPPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'support')
-# The TF1-behaviour pass (tf_behavior.pick): 2 towers, the stock kernels with oneDNN off.
-TOWERS = tf_behavior.pick([2, 4], [2])
-CONFIG = {'towers': TOWERS, 'steps': 4, 'global_batch': 8,
-          'data_formats': ['channels_last', 'channels_first'], 'hang_seconds': 240}
+KINDS = ('ps', 'replicated', 'patched')
+FORMATS = ('channels_last', 'channels_first')
+KERNEL_SET_NAMES = ('custom', 'stock')
+#: The training runs: (trainer kind, layout, towers, kernel set).
+PRODUCT = [(kind, fmt, towers, kernels) for kernels in KERNEL_SET_NAMES for fmt in FORMATS
+           for towers in (2, 4) for kind in KINDS]
+# make test runs an all-pairs covering set of the kind x layout x towers x
+# kernel set product (suite_scope.covering; make test-full all 24): 6 runs, 3
+# per subprocess, in which every value of each factor meets every value of each
+# other: each trainer (parameter server, replicated, patched by name) on both
+# layouts, with 2 and 4 towers and on both kernel sets; each layout with both
+# tower counts on both kernel sets. A triple adds no path: the trainer decides
+# where variables live and how gradients and tower copies are synced (the same
+# for any layout and kernel set), the layout and the kernel set decide the
+# layer's ops (the same under any trainer), and the number of towers the group
+# the layer synchronizes over, which each pair checks with each of the others.
+COVERING = suite_scope.pairwise(KINDS, FORMATS, (2, 4), KERNEL_SET_NAMES)
+# The TF1-behaviour pass: the stock kernels with oneDNN off (one subprocess):
+# every trainer with reference variables (the parameter server's shared ones,
+# the replicated trainer's tower copies and its sync ops, the layer's moving
+# averages assigned in the layer), both layouts (Dimension shapes).
+V1_COVERING = [run for run in COVERING if run[3] == 'stock']
+RUN_CASES = tf_behavior.pick(suite_scope.covering(PRODUCT, COVERING), V1_COVERING)
+CONFIG = {'steps': 4, 'global_batch': 8, 'data_formats': list(FORMATS), 'hang_seconds': 240}
 EPS = 1e-5
 #: subprocess -> (its extra environment, the kernel sets it runs).
 PROCESSES = {
     'onednn-on': ({'TF1_SYNCBN_KERNELS': '1'}, ['custom']),
     'onednn-off': ({'TF1_SYNCBN_KERNELS': '0', 'TF_ENABLE_ONEDNN_OPTS': '0'}, ['stock']),
 }
-KERNEL_SETS = tf_behavior.pick([('onednn-on', 'custom'), ('onednn-off', 'stock')],
-                               [('onednn-off', 'stock')])
-SUFFIX = {'custom': '', 'stock': '@stock'}
+KERNEL_SETS = [(process, kernels) for process, kernels in (('onednn-on', 'custom'),
+                                                           ('onednn-off', 'stock'))
+               if any(run[3] == kernels for run in RUN_CASES)]
+PROCESS_OF = {kernels: process for process, kernels in KERNEL_SETS}
+SUFFIX = {'custom': '', 'stock': '@stock', 'channels_last': '', 'channels_first': '-nchw'}
+
+
+def run_name(kind, fmt, towers, kernels=None):
+    """``ps2``, ``replicated4-nchw``, ...; with ``kernels``, ``@stock`` for the stock ones."""
+    return '%s%d%s%s' % (kind, towers, SUFFIX[fmt], SUFFIX[kernels] if kernels else '')
 
 
 @pytest.fixture(scope='module')
@@ -61,7 +91,9 @@ def harness_process(tmp_path_factory):
             with open(os.path.join(SUPPORT, 'tensorpack_harness.py')) as f:
                 code = f.read()
             # A collective that waits for a member fails after 60 s instead of 600 s.
-            config = dict(CONFIG, kernel_sets=kernel_sets)
+            runs = [[kind, towers, fmt, kernels] for kind, fmt, towers, kernels in RUN_CASES
+                    if kernels in kernel_sets]
+            config = dict(CONFIG, kernel_sets=kernel_sets, runs=runs)
             run_reference(code, out, args=[str(out), json.dumps(config)],
                           env=dict(env, TF1_SYNCBN_TIMEOUT='60'), timeout=300)
             with open(out / 'result.json') as f:
@@ -85,16 +117,13 @@ def _variables(result, run):
     return {k[len(prefix):]: result[k] for k in result.files if k.startswith(prefix)}
 
 
-RUNS = ['%s%d%s' % (kind, n, suffix) for suffix in ('', '-nchw') for n in TOWERS
-        for kind in ('ps', 'replicated', 'patched')]
-
-
-@pytest.mark.parametrize('run', RUNS)
-def test_trainer_equals_tensorpack_on_one_device(harness, run):
-    result, info, kernel_set, kernel_suffix = harness
-    towers = int(run.split('-')[0].lstrip('pscrelitdah'))
-    suffix = run[len(run.split('-')[0]):]
-    run += kernel_suffix
+@pytest.mark.parametrize('kind,fmt,towers,kernel_set', RUN_CASES,
+                         ids=['%s-%s-%s' % (PROCESS_OF[run[3]], run[3], run_name(*run[:3]))
+                              for run in RUN_CASES])
+def test_trainer_equals_tensorpack_on_one_device(harness_process, kind, fmt, towers, kernel_set):
+    result, info = harness_process(PROCESS_OF[kernel_set])
+    suffix = SUFFIX[fmt]
+    run = run_name(kind, fmt, towers, kernel_set)
     for name in ('reference' + suffix, run):
         if 'error' in info[name]:
             pytest.fail('%s kernels: the %s run failed: %s' % (kernel_set, name,

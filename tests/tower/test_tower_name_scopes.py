@@ -20,6 +20,7 @@ and on the stock kernels with oneDNN off in a child run
 (``test_stock_without_onednn.py``).
 """
 
+import functools
 import warnings
 
 import numpy as np
@@ -27,6 +28,8 @@ import pytest
 import tensorflow as tf
 import tf_slim as slim
 
+import suite_scope
+import tf_behavior
 from conftest import make_session
 from tf1_syncbn import SyncBNWarning, sync_arg_scope, sync_batch_norm
 from tower import average_gradients
@@ -110,7 +113,9 @@ def _train(build, towers):
     return np.array(losses), dict(zip(names, values)), graph
 
 
+@functools.lru_cache(maxsize=None)
 def _reference(towers):
+    """The one-device run on the concatenated batch of ``towers`` towers (once per module)."""
     def build(images, labels, optimizer):
         with tf.device('/cpu:0'):
             loss = model(images, labels, fused_reference_bn, {'decay': DECAY, 'epsilon': EPS})
@@ -199,10 +204,56 @@ def _assert_kernel_set(graph, kernel_impl):
         assert not kernel_ops, 'the stock kernel set used the compiled kernels'
 
 
-@pytest.mark.parametrize('kernel_impl', kernel_sets())
-@pytest.mark.parametrize('towers', [2, 4])
-@pytest.mark.parametrize('keep', ['first', 'last', 'all'])
-@pytest.mark.parametrize('harness', [model_deploy_clones, classic_towers])
+KERNEL_SETS = ('custom', 'stock')
+HARNESSES = (model_deploy_clones, classic_towers)
+
+
+def _cases(cases, v1_cases):
+    """``pytest.param``s of the cases this process runs (kernel set first in the id).
+
+    The cases this process's kernel sets take (``without_onednn.kernel_sets``:
+    the stock ones run here where oneDNN is off, else in the child run of
+    ``test_stock_without_onednn.py``, which counts this test's parameters
+    here: each covering set below has as many stock cases as custom ones), of
+    this TF behaviour's (``tf_behavior.pick``).
+    """
+    def ident(case):
+        parts = dict(zip(names, case))
+        return '-'.join(str(getattr(parts[n], '__name__', parts[n])) for n in
+                        ('kernel_impl', 'harness', 'keep', 'towers') if n in parts)
+
+    names = ('keep', 'kernel_impl', 'towers', 'harness')
+    return [pytest.param(*case, id=ident(case)) for case in tf_behavior.pick(cases, v1_cases)
+            if case[1] in kernel_sets()]
+
+
+PRODUCT = [(keep, kernels, towers, harness) for keep in ('first', 'last', 'all')
+           for kernels in KERNEL_SETS for towers in (2, 4) for harness in HARNESSES]
+# make test runs an all-pairs covering set of the keep x kernel set x towers x
+# harness product (suite_scope.covering; make test-full all 24): 6 cases, 3 per
+# kernel set, in which every value of each factor meets every value of each
+# other (each harness keeps first, last and all updates; each kernel set runs
+# both harnesses, both tower counts and every keep; each tower count both
+# harnesses and every keep). A triple adds no path: the layer is built before
+# the harness picks which tower's UPDATE_OPS it keeps, so what the layer builds
+# depends on the kernel set, the number of towers and the tower scope
+# (clone_%d or tower_%d, with its way of reusing variables), each two of them at
+# most through the graph; keep chooses which of the built towers' update ops
+# run, and each tower's update ops trigger the same all-reduced update on every
+# kernel set, which each pair of keep with the other factors checks.
+COVERING = suite_scope.pairwise(('first', 'last', 'all'), KERNEL_SETS, (2, 4), HARNESSES)
+# The TF1-behaviour pass: reference variables, assigned by the update ops
+# (every keep: first, last and all of them, once each per step) and read by
+# the forward pass of the step that updates them; on both kernel sets and
+# both tower scopes, 2 towers (the number of towers changes nothing TF1
+# behaviour changes). (No v1 control flow: is_training is a Python bool.)
+V1_COVERING = [('first', 'custom', 2, model_deploy_clones),
+               ('last', 'custom', 2, classic_towers),
+               ('all', 'stock', 2, classic_towers)]
+
+
+@pytest.mark.parametrize('keep,kernel_impl,towers,harness',
+                         _cases(suite_scope.covering(PRODUCT, COVERING), V1_COVERING))
 def test_harness_equals_one_device_on_the_concatenated_batch(towers, keep, harness, kernel_impl):
     with kernel_set(kernel_impl):
         result = _train(harness(towers, keep), towers)
@@ -213,10 +264,24 @@ def test_harness_equals_one_device_on_the_concatenated_batch(towers, keep, harne
     _assert_kernel_set(graph, kernel_impl)
 
 
-@pytest.mark.parametrize('kernel_impl', kernel_sets())
-@pytest.mark.parametrize('towers', [2, 4])
-@pytest.mark.parametrize('harness,keep', [(model_deploy_clones, 'first'),
-                                          (classic_towers, 'last')])
+NCHW_PRODUCT = [(keep, kernels, towers, harness) for kernels in KERNEL_SETS for towers in (2, 4)
+                for harness, keep in ((model_deploy_clones, 'first'), (classic_towers, 'last'))]
+# make test: every pair of kernel set, towers and harness (with its own
+# updates) in 4 of the 8 cases (make test-full all 8), 2 per kernel set: the
+# channels-first layer on each kernel set in both harnesses and with 2 and 4
+# towers, each harness with both tower counts. The layout changes what the
+# layer builds for the kernel set (the channel axis of its statistics and of
+# its kernels); the harness and the tower count change nothing of it, as in
+# the test above.
+NCHW_COVERING = [('first', 'custom', 2, model_deploy_clones), ('last', 'custom', 4, classic_towers),
+                 ('first', 'stock', 4, model_deploy_clones), ('last', 'stock', 2, classic_towers)]
+# The TF1-behaviour pass: the layout's shapes (Dimension objects) on each
+# kernel set, in each harness.
+NCHW_V1 = [('first', 'custom', 2, model_deploy_clones), ('last', 'stock', 2, classic_towers)]
+
+
+@pytest.mark.parametrize('keep,kernel_impl,towers,harness',
+                         _cases(suite_scope.covering(NCHW_PRODUCT, NCHW_COVERING), NCHW_V1))
 def test_harness_with_channels_first_batch_norm(towers, keep, harness, kernel_impl):
     """The same nets with the layer on NCHW (as GPU nets run it), each harness's own updates."""
     with kernel_set(kernel_impl):
