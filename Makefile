@@ -168,6 +168,11 @@ $(TF_VERSIONS:%=test-tf%): test-tf%: .venv-tf%/.installed
 
 test-versions: $(TEST_VERSIONS:%=test-tf%)
 
+# The environments of $(TEST_VERSIONS) alone (pip installs, mostly disk): .ci/run
+# creates them while make test runs, so that make test-versions only tests.
+.PHONY: venvs-versions
+venvs-versions: $(TEST_VERSIONS:%=.venv-tf%/.installed)
+
 # ruff, with the rules in pyproject.toml ([tool.ruff]).
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check --no-cache .
