@@ -161,49 +161,16 @@ def fork_workers(jobs, deadline):
     Returns:
       Each job's exit status (negative: the signal that ended it), in order.
     """
-    import signal  # noqa: PLC0415
-    import time  # noqa: PLC0415
+    import forked  # noqa: PLC0415
     import tf_behavior  # noqa: PLC0415
     tf_behavior.apply()
-    pids = []
-    for job in jobs:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            status = 1
-            try:
-                os.setsid()
-                log = os.open(job['log'], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                os.dup2(log, 1)
-                os.dup2(log, 2)
-                os.environ['TF_CONFIG'] = job['tf_config']
-                main(job['argv'])
-                status = 0
-            except BaseException:  # noqa: BLE001 - the child reports and exits
-                import traceback  # noqa: PLC0415
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(status)
-        pids.append(pid)
-    statuses, end = {}, time.time() + deadline
-    while len(statuses) < len(pids) and time.time() < end:
-        for pid in pids:
-            if pid not in statuses:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    statuses[pid] = os.waitstatus_to_exitcode(status)
-        time.sleep(0.2)
-    for pid in pids:
-        if pid not in statuses:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            statuses[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    return [statuses[pid] for pid in pids]
+
+    def worker(job):
+        os.environ['TF_CONFIG'] = job['tf_config']
+        main(job['argv'])
+
+    return forked.wait([forked.fork(lambda job=job: worker(job), log=job['log']) for job in jobs],
+                       deadline)
 
 
 if __name__ == '__main__':

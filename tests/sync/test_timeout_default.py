@@ -37,10 +37,11 @@ SETTINGS = {
 # for each setting it forks, and the child, in that setting's environment,
 # imports tf1_syncbn for the first time in its process (the import that reads
 # the variables), builds its graph and reports. Nothing creates a session or
-# runs a graph before the forks.
+# runs a graph before the forks (tests/support/forked.py).
 SCRIPT = r'''
 import json, os, sys
 import tensorflow as tf
+import forked  # tests/support/forked.py
 import tf_behavior  # the case's TF behaviour (TF1_SYNCBN_TEST_BEHAVIOR)
 tf_behavior.apply()
 assert not [m for m in sys.modules if m.split('.')[0] in ('tf1_syncbn', 'tower')]
@@ -77,18 +78,9 @@ def report(name):
 
 
 for name in SETTINGS:
-    sys.stdout.flush()
-    pid = os.fork()
-    if pid == 0:
-        status = 1
-        try:
-            print('REPORT %s %s' % (name, json.dumps(report(name))))
-            status = 0
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(status)
-    os.waitpid(pid, 0)
+    # forked.py: the child in its own process group, its report on our stdout.
+    forked.wait([forked.fork(lambda: print('REPORT %s %s' % (name, json.dumps(report(name)))))],
+                240)
 '''
 
 

@@ -1,0 +1,176 @@
+"""Processes forked from one interpreter that has imported TensorFlow.
+
+Starting Python and importing TensorFlow costs seconds of CPU per process
+(measured on the slow CI CPU: about 5 s on 2.21, 14 s on 2.15). Tests that
+need many processes in which tf1_syncbn is imported for the first time fork
+them from one import instead:
+
+- :func:`fork` and :func:`wait` run a function in forked children, each in a
+  process group of its own, its output in a file or inherited;
+- :class:`Zygote` is a server process, started once per test module, that
+  runs scripts as ``python script.py`` would, each in a child forked for it
+  (the README's blocks: tests/project/test_readme.py).
+
+What a child shares with the parent: the modules imported before the fork
+(TensorFlow and the standard library; never tf1_syncbn or tower, asserted).
+Nothing has created a session, a server or an eager context before a fork,
+and the child sets its own environment (``os.environ`` also sets the C
+environment TensorFlow's runtime reads). Variables TensorFlow reads *while
+it is imported* (``TF_USE_LEGACY_KERAS=1`` before ``import tensorflow``,
+``TF_CPP_MIN_LOG_LEVEL``) are the zygote's own: a script that must set them
+first runs in a fresh interpreter instead.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+
+def fork(body, log=None):
+    """Forks a child that runs ``body()``, in its own process group.
+
+    Args:
+      body: called in the child; the child exits 0 when it returns, with the
+        status of a ``SystemExit`` it raises, 1 (traceback printed) on any
+        other exception.
+      log: a file path for the child's stdout and stderr, or None to keep the
+        parent's.
+
+    Returns:
+      The child's pid (also its process group's id).
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    status = 1
+    try:
+        os.setsid()
+        if log is not None:
+            out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(out, 1)
+            os.dup2(out, 2)
+        body()
+        status = 0
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - the child reports and exits
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+
+def wait(pids, deadline):
+    """Waits for forked children, at most ``deadline`` seconds for all.
+
+    Children still running then are SIGKILLed with their process groups.
+
+    Returns:
+      Each child's exit status, in the order of ``pids`` (negative: the
+      signal that ended it).
+    """
+    statuses, end = {}, time.time() + deadline
+    while len(statuses) < len(pids) and time.time() < end:
+        for pid in pids:
+            if pid not in statuses:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    statuses[pid] = os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    for pid in pids:
+        if pid not in statuses:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            statuses[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    return [statuses[pid] for pid in pids]
+
+
+def _run_script(argv, cwd, env):
+    """In a forked child: what ``python argv...`` in ``cwd`` with ``env`` would do."""
+    import runpy  # noqa: PLC0415
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    # sys.path as a fresh interpreter would start it: the script's folder, then PYTHONPATH.
+    paths = [p for p in env.get('PYTHONPATH', '').split(os.pathsep) if p]
+    sys.path[:] = ([os.path.dirname(os.path.abspath(argv[0]))] + paths +
+                   [p for p in sys.path[1:] if p not in paths])
+    sys.argv = list(argv)
+    runpy.run_path(argv[0], run_name='__main__')
+
+
+def _serve():
+    """The zygote: imports TensorFlow, then forks one child per request on stdin."""
+    import tensorflow  # noqa: F401, PLC0415 - the import the children share
+    ours = [m for m in sys.modules if m.split('.')[0] in ('tf1_syncbn', 'tower')]
+    if ours:
+        raise RuntimeError('the zygote imported %s before its forks' % ours)
+    print('READY', flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = fork(lambda request=request: _run_script(
+            request['argv'], request['cwd'], request['env']), log=request['log'])
+        status, = wait([pid], request['timeout'])
+        print('STATUS %d' % status, flush=True)
+
+
+class Zygote:
+    """Runs scripts as fresh interpreters would, each forked from one TensorFlow import.
+
+    Start one per test module (a module-scoped fixture) and :meth:`close` it.
+    Scripts run one at a time.
+    """
+
+    def __init__(self, env, python=sys.executable):
+        self._proc = subprocess.Popen(
+            [python, os.path.abspath(__file__), '--serve'], env=env, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=os.path.dirname(__file__))
+        ready = self._proc.stdout.readline()
+        if ready.strip() != 'READY':
+            self.close()
+            raise RuntimeError('the zygote did not start (exit %s): %r' % (
+                self._proc.returncode, ready))
+
+    def run(self, argv, cwd, env, timeout):
+        """Runs ``python argv...`` in ``cwd`` with environment ``env``, forked.
+
+        Returns:
+          ``(returncode, output)``: the exit status (negative: the signal,
+          ``-9`` past ``timeout``) and stdout and stderr together.
+        """
+        fd, log = tempfile.mkstemp(suffix='.log', prefix='forked-')
+        os.close(fd)
+        self._proc.stdin.write(json.dumps(
+            {'argv': [str(a) for a in argv], 'cwd': str(cwd), 'env': dict(env),
+             'log': log, 'timeout': timeout}) + '\n')
+        self._proc.stdin.flush()
+        reply = self._proc.stdout.readline()
+        if not reply.startswith('STATUS '):
+            raise RuntimeError('the zygote stopped (exit %s)' % self._proc.poll())
+        with open(log, encoding='utf-8', errors='replace') as f:
+            output = f.read()
+        os.remove(log)
+        return int(reply.split()[1]), output
+
+    def close(self):
+        if self._proc.stdin:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+if __name__ == '__main__' and sys.argv[1:] == ['--serve']:
+    _serve()
