@@ -168,6 +168,12 @@ $(TF_VERSIONS:%=test-tf%): test-tf%: .venv-tf%/.installed
 
 test-versions: $(TEST_VERSIONS:%=test-tf%)
 
+# $(TEST_VERSIONS), for .ci/run, which runs each version's make test-tf<v> as a
+# part of its own, side by side with the others.
+.PHONY: test-versions-list
+test-versions-list:
+	@echo $(TEST_VERSIONS)
+
 # The environments of $(TEST_VERSIONS) alone (pip installs, mostly disk): .ci/run
 # creates them while make test runs, so that make test-versions only tests.
 .PHONY: venvs-versions

@@ -21,6 +21,7 @@ import os
 import sys
 
 import reference_cases
+import tf_behavior
 
 #: Processes of every job.
 PROCESSES = 2
@@ -34,6 +35,15 @@ _FROM = {
     'layers': ('rank4-axis3', 'rank3-axis1', 'float16-rank4', 'bfloat16-rank3',
                'rank5-axis-4-object', 'renorm-clipped-rank4-axis1'),
 }
+# The TF1-behaviour pass (tf_behavior.pick) runs 8 of the 20: each front-end's
+# first case (the fast path, Dimension shapes, the empty layouts), the slow
+# paths that read reference variables in the step (slim's batch weights,
+# tensorpack's and tf.layers' renorm), tensorpack's ghost batches, slim's
+# bool-tensor training (v1 tf.cond). Horovod's all-reduces are the same ops in
+# either behaviour; the 16-bit types and the large mean change no TF1 path.
+_V1 = ('slim/fused=None-rank4-NHWC', 'slim/batch_weights-rank4', 'slim/training_tensor-rank4',
+       'tensorpack/4d-channels_last', 'tensorpack/renorm-4d-channels_last', 'tensorpack/2d-ghost',
+       'layers/rank4-axis3', 'layers/renorm-clipped-rank4-axis1')
 
 #: name -> (towers per process, sizes of the members); every case runs each.
 LAYOUTS = {
@@ -86,7 +96,9 @@ def _cases():
     return cases
 
 
-CASES = _cases()
+ALL_CASES = _cases()
+#: The cases of this pass (every case in TF2 behaviour).
+CASES = tf_behavior.pick(ALL_CASES, [c for c in ALL_CASES if c['name'] in _V1])
 
 
 def runs():

@@ -105,6 +105,7 @@ def test_processes_equal_the_replaced_layer_on_the_concatenated_batch(reference,
             assert info['collectives'] == (2 * towers + size_checks if towers > 1 else 0)
 
 
+@pytest.mark.once      # the TF2-behaviour pass runs every case (horovod_cases._V1: TF1's)
 def test_every_front_end_layout_and_type_ran():
     """What the runs cover (so that trimming the cases cannot drop a claim silently)."""
     fronts = {CASES[i]['front_end'] for i, _, _, _ in RUNS}
