@@ -95,33 +95,31 @@ def test_the_pages_have_runnable_blocks_and_every_block_parses():
         'the SavedModel serving fragment no longer runs after its export script'
 
 
-@pytest.fixture(scope='module')
-def python():
+def _run(script, folder):
     """Runs a script as ``python script.py`` would, forked from one TensorFlow import.
 
     (tests/support/forked.py: the blocks import TensorFlow first and set no
     variable it reads at import; each imports tf1_syncbn for the first time
-    in its own process. Measured: a fresh interpreter per block cost about 5 s
-    of CPU more on the slow CI CPU, 17 blocks.)
+    in its own process. Measured on the slow CI CPU: 117 s of CPU for the 17
+    blocks in fresh interpreters, 36 s forked.)
     """
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3',
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]))
-    zygote = forked.Zygote(env)
-    yield lambda script, folder: zygote.run([script], folder, env, timeout=300)
-    zygote.close()
+    status, stdout, stderr = forked.run_python([script], folder, env, timeout=300)
+    return status, stdout[-2000:] + '\n' + stderr[-4000:]
 
 
 @pytest.mark.parametrize('place,code', RUN, ids=[place for place, _ in RUN])
-def test_complete_block_runs(place, code, tmp_path, python):
+def test_complete_block_runs(place, code, tmp_path):
     (tmp_path / 'block.py').write_text(tf_behavior.SOURCE + code if tf_behavior.is_v1() else code)
-    status, output = python('block.py', tmp_path)
-    assert status == 0, '%s failed (exit %d):\n%s' % (place, status, output[-6000:])
+    status, output = _run('block.py', tmp_path)
+    assert status == 0, '%s failed (exit %d):\n%s' % (place, status, output)
     follower = _followers().get(code)
     if follower is not None:
         (tmp_path / 'after.py').write_text(follower)
-        status, output = python('after.py', tmp_path)
+        status, output = _run('after.py', tmp_path)
         assert status == 0, 'the fragment after %s failed (exit %d):\n%s' % (
-            place, status, output[-6000:])
+            place, status, output)
 
 
 def _slug(heading):

@@ -7,9 +7,11 @@ them from one import instead:
 
 - :func:`fork` and :func:`wait` run a function in forked children, each in a
   process group of its own, its output in a file or inherited;
-- :class:`Zygote` is a server process, started once per test module, that
-  runs scripts as ``python script.py`` would, each in a child forked for it
-  (the README's blocks: tests/project/test_readme.py).
+- :class:`Zygote` is a server process that runs scripts as ``python
+  script.py`` would, each in a child forked for it; :func:`run_python` keeps
+  one per test process and environment (the README's blocks,
+  tests/project/test_readme.py; every reference run of the replaced
+  libraries, legacy_reference.py).
 
 What a child shares with the parent: the modules imported before the fork
 (TensorFlow and the standard library; never tf1_syncbn or tower, asserted).
@@ -21,8 +23,10 @@ it is imported* (``TF_USE_LEGACY_KERAS=1`` before ``import tensorflow``,
 first runs in a fresh interpreter instead.
 """
 
+import atexit
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -31,15 +35,16 @@ import time
 import traceback
 
 
-def fork(body, log=None):
+def fork(body, log=None, errors=None):
     """Forks a child that runs ``body()``, in its own process group.
 
     Args:
       body: called in the child; the child exits 0 when it returns, with the
         status of a ``SystemExit`` it raises, 1 (traceback printed) on any
         other exception.
-      log: a file path for the child's stdout and stderr, or None to keep the
-        parent's.
+      log: a file path for the child's stdout (and its stderr, unless
+        ``errors`` is given), or None to keep the parent's.
+      errors: a file path for the child's stderr.
 
     Returns:
       The child's pid (also its process group's id).
@@ -52,10 +57,9 @@ def fork(body, log=None):
     status = 1
     try:
         os.setsid()
-        if log is not None:
-            out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(out, 1)
-            os.dup2(out, 2)
+        for path, fd in ((log, 1), (errors or log, 2)):
+            if path is not None:
+                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
         body()
         status = 0
     except SystemExit as e:
@@ -109,26 +113,45 @@ def _run_script(argv, cwd, env):
     runpy.run_path(argv[0], run_name='__main__')
 
 
+def _children_cpu():
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+#: CPU seconds of this process's zygotes: their imports and the scripts they
+#: ran (a zygote's children are not this process's: getrusage does not count
+#: them here until the zygote ends).
+_SCRIPTS_CPU = [0.0]
+
+
+def scripts_cpu_seconds():
+    """The CPU time of this process's zygotes' imports and of every script they ran."""
+    return _SCRIPTS_CPU[0]
+
+
 def _serve():
     """The zygote: imports TensorFlow, then forks one child per request on stdin."""
     import tensorflow  # noqa: F401, PLC0415 - the import the children share
     ours = [m for m in sys.modules if m.split('.')[0] in ('tf1_syncbn', 'tower')]
     if ours:
         raise RuntimeError('the zygote imported %s before its forks' % ours)
-    print('READY', flush=True)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    print('READY %.3f' % (usage.ru_utime + usage.ru_stime), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
         pid = fork(lambda request=request: _run_script(
-            request['argv'], request['cwd'], request['env']), log=request['log'])
+            request['argv'], request['cwd'], request['env']),
+            log=request['stdout'], errors=request['stderr'])
+        before = _children_cpu()
         status, = wait([pid], request['timeout'])
-        print('STATUS %d' % status, flush=True)
+        print('STATUS %d %.3f' % (status, _children_cpu() - before), flush=True)
 
 
 class Zygote:
     """Runs scripts as fresh interpreters would, each forked from one TensorFlow import.
 
-    Start one per test module (a module-scoped fixture) and :meth:`close` it.
-    Scripts run one at a time.
+    Scripts run one at a time; :meth:`close` stops it (:func:`run_python`
+    keeps one per process and environment).
     """
 
     def __init__(self, env, python=sys.executable):
@@ -136,31 +159,38 @@ class Zygote:
             [python, os.path.abspath(__file__), '--serve'], env=env, text=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=os.path.dirname(__file__))
         ready = self._proc.stdout.readline()
-        if ready.strip() != 'READY':
+        if not ready.startswith('READY '):
             self.close()
             raise RuntimeError('the zygote did not start (exit %s): %r' % (
                 self._proc.returncode, ready))
+        _SCRIPTS_CPU[0] += float(ready.split()[1])      # its TensorFlow import
 
     def run(self, argv, cwd, env, timeout):
         """Runs ``python argv...`` in ``cwd`` with environment ``env``, forked.
 
         Returns:
-          ``(returncode, output)``: the exit status (negative: the signal,
-          ``-9`` past ``timeout``) and stdout and stderr together.
+          ``(returncode, stdout, stderr)``: the exit status (negative: the
+          signal, ``-9`` past ``timeout``) and the script's output.
         """
-        fd, log = tempfile.mkstemp(suffix='.log', prefix='forked-')
-        os.close(fd)
+        logs = []
+        for stream in ('stdout', 'stderr'):
+            fd, path = tempfile.mkstemp(suffix='.log', prefix='forked-%s-' % stream)
+            os.close(fd)
+            logs.append(path)
         self._proc.stdin.write(json.dumps(
             {'argv': [str(a) for a in argv], 'cwd': str(cwd), 'env': dict(env),
-             'log': log, 'timeout': timeout}) + '\n')
+             'stdout': logs[0], 'stderr': logs[1], 'timeout': timeout}) + '\n')
         self._proc.stdin.flush()
         reply = self._proc.stdout.readline()
         if not reply.startswith('STATUS '):
             raise RuntimeError('the zygote stopped (exit %s)' % self._proc.poll())
-        with open(log, encoding='utf-8', errors='replace') as f:
-            output = f.read()
-        os.remove(log)
-        return int(reply.split()[1]), output
+        _SCRIPTS_CPU[0] += float(reply.split()[2])
+        outputs = []
+        for path in logs:
+            with open(path, encoding='utf-8', errors='replace') as f:
+                outputs.append(f.read())
+            os.remove(path)
+        return (int(reply.split()[1]),) + tuple(outputs)
 
     def close(self):
         if self._proc.stdin:
@@ -170,6 +200,38 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+
+
+#: What TensorFlow, Python and the libraries below them may read while TensorFlow
+#: is imported: a zygote serves only scripts whose variables with these
+#: prefixes are its own.
+_READ_AT_IMPORT = ('TF_', 'PYTHON', 'KERAS', 'CUDA', 'LD_', 'OMP_', 'MKL', 'XLA_')
+_ZYGOTES = {}
+
+
+def run_python(argv, cwd, env, timeout):
+    """Runs ``python argv...`` in ``cwd`` with ``env``, forked from a zygote of this process.
+
+    One zygote per distinct set of the variables read at import
+    (``_READ_AT_IMPORT``), started on first use and stopped when this
+    process exits; a script whose such variables differ gets a zygote of
+    its own.
+
+    Returns:
+      ``(returncode, stdout, stderr)``, as :meth:`Zygote.run`.
+    """
+    key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(_READ_AT_IMPORT)))
+    if key not in _ZYGOTES:
+        if not _ZYGOTES:
+            atexit.register(_close_all)
+        _ZYGOTES[key] = Zygote(env)
+    return _ZYGOTES[key].run(argv, cwd, env, timeout)
+
+
+def _close_all():
+    for zygote in _ZYGOTES.values():
+        zygote.close()
+    _ZYGOTES.clear()
 
 
 if __name__ == '__main__' and sys.argv[1:] == ['--serve']:

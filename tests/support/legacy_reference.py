@@ -8,8 +8,8 @@ a line ``RESULT <path to .npz>``.
 """
 
 import os
-import subprocess
-import sys
+
+import forked
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -33,24 +33,28 @@ if not hasattr(_ops, 'Tensor'):
 
 
 def run_reference(code, tmp_path, args=(), timeout=300, env=None):
-    """Runs ``code`` (after the legacy-Keras shim) in a fresh interpreter.
+    """Runs ``code`` (after the legacy-Keras shim) as a fresh interpreter would.
 
-    ``env`` adds environment variables for the script.
+    Forked from an interpreter that has imported TensorFlow with this
+    environment (``forked.run_python``: one per test process; each run
+    imports tf-keras, the replaced library and anything else itself, in its
+    own process). ``env`` adds environment variables for the script.
 
     Returns:
       The stdout of the script.
 
     Raises:
-      RuntimeError: with the script's output when it fails.
+      RuntimeError: with the script's output when it fails or outlives
+        ``timeout`` seconds.
     """
     script = tmp_path / 'reference_script.py'
     script.write_text(SHIM + code)
     env = dict(os.environ, TF_USE_LEGACY_KERAS='1', TF_CPP_MIN_LOG_LEVEL='3',
                PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(os.path.dirname(HERE))]),
                **(env or {}))
-    proc = subprocess.run([sys.executable, str(script)] + list(args), env=env, capture_output=True,
-                          text=True, timeout=timeout, cwd=str(tmp_path))
-    if proc.returncode != 0:
-        raise RuntimeError('reference script failed (needs tf-keras, installed by make test):'
-                           '\n%s\n%s' % (proc.stdout[-3000:], proc.stderr[-5000:]))
-    return proc.stdout
+    status, stdout, stderr = forked.run_python([str(script)] + list(args), tmp_path, env,
+                                               timeout)
+    if status != 0:
+        raise RuntimeError('reference script failed (exit status %d; needs tf-keras, installed '
+                           'by make test):\n%s\n%s' % (status, stdout[-3000:], stderr[-5000:]))
+    return stdout

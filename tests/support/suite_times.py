@@ -3,7 +3,8 @@
 ``pytest --suite-times=PATH`` writes one JSON record per test: its node id,
 its module, its wall time (setup, call and teardown together, as measured by
 pytest) and the CPU time it used (this process's and the child processes'
-it waited for, from ``getrusage``), and prints each module's share of the
+it waited for, from ``getrusage``, and the scripts it ran forked from a
+zygote, ``forked.scripts_cpu_seconds``), and prints each module's share of the
 run at the end. With pytest-xdist the records are gathered in the
 controlling process (the CPU time travels in the reports'
 ``user_properties``).
@@ -17,6 +18,7 @@ import collections
 import json
 import os
 import resource
+import sys
 import time
 
 import pytest
@@ -33,7 +35,10 @@ def pytest_addoption(parser):
 def _cpu_seconds():
     own = resource.getrusage(resource.RUSAGE_SELF)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    # Scripts run forked from a zygote (forked.py) are the zygote's children.
+    forked = sys.modules.get('forked')
+    scripts = forked.scripts_cpu_seconds() if forked else 0.0
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + scripts
 
 
 class _CpuMeter(object):
