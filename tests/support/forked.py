@@ -17,10 +17,10 @@ What a child shares with the parent: the modules imported before the fork
 (TensorFlow and the standard library; never tf1_syncbn or tower, asserted).
 Nothing has created a session, a server or an eager context before a fork,
 and the child sets its own environment (``os.environ`` also sets the C
-environment TensorFlow's runtime reads). Variables TensorFlow reads *while
-it is imported* (``TF_USE_LEGACY_KERAS=1`` before ``import tensorflow``,
-``TF_CPP_MIN_LOG_LEVEL``) are the zygote's own: a script that must set them
-first runs in a fresh interpreter instead.
+environment TensorFlow's runtime reads). Variables TensorFlow may read
+*while it is imported* (``TF_USE_LEGACY_KERAS=1`` before ``import
+tensorflow``, ``TF_CPP_MIN_LOG_LEVEL``) are the zygote's own:
+:func:`run_python` starts one zygote per set of them.
 """
 
 import atexit
@@ -144,7 +144,8 @@ def _serve():
             log=request['stdout'], errors=request['stderr'])
         before = _children_cpu()
         status, = wait([pid], request['timeout'])
-        print('STATUS %d %.3f' % (status, _children_cpu() - before), flush=True)
+        print('STATUS %d %d %.3f' % (request['id'], status, _children_cpu() - before),
+              flush=True)
 
 
 class Zygote:
@@ -164,6 +165,7 @@ class Zygote:
             raise RuntimeError('the zygote did not start (exit %s): %r' % (
                 self._proc.returncode, ready))
         _SCRIPTS_CPU[0] += float(ready.split()[1])      # its TensorFlow import
+        self._requests = 0
 
     def run(self, argv, cwd, env, timeout):
         """Runs ``python argv...`` in ``cwd`` with environment ``env``, forked.
@@ -177,20 +179,26 @@ class Zygote:
             fd, path = tempfile.mkstemp(suffix='.log', prefix='forked-%s-' % stream)
             os.close(fd)
             logs.append(path)
+        self._requests += 1
         self._proc.stdin.write(json.dumps(
-            {'argv': [str(a) for a in argv], 'cwd': str(cwd), 'env': dict(env),
-             'stdout': logs[0], 'stderr': logs[1], 'timeout': timeout}) + '\n')
+            {'id': self._requests, 'argv': [str(a) for a in argv], 'cwd': str(cwd),
+             'env': dict(env), 'stdout': logs[0], 'stderr': logs[1],
+             'timeout': timeout}) + '\n')
         self._proc.stdin.flush()
-        reply = self._proc.stdout.readline()
-        if not reply.startswith('STATUS '):
-            raise RuntimeError('the zygote stopped (exit %s)' % self._proc.poll())
-        _SCRIPTS_CPU[0] += float(reply.split()[2])
+        while True:
+            # (A reply to an earlier request, whose caller stopped waiting, is passed over.)
+            reply = self._proc.stdout.readline().split()
+            if not reply or reply[0] != 'STATUS':
+                raise RuntimeError('the zygote stopped (exit %s)' % self._proc.poll())
+            _SCRIPTS_CPU[0] += float(reply[3])
+            if int(reply[1]) == self._requests:
+                break
         outputs = []
         for path in logs:
             with open(path, encoding='utf-8', errors='replace') as f:
                 outputs.append(f.read())
             os.remove(path)
-        return (int(reply.split()[1]),) + tuple(outputs)
+        return (int(reply[2]),) + tuple(outputs)
 
     def close(self):
         if self._proc.stdin:
