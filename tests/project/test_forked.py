@@ -7,6 +7,7 @@ outlives its timeout, the script's own arguments, folder and environment, and
 a tf1_syncbn imported for the first time in the child.
 """
 
+import concurrent.futures
 import json
 import os
 
@@ -31,6 +32,7 @@ print(json.dumps({'argv': sys.argv, 'cwd': os.getcwd(), 'name': __name__,
     'exits.py': 'import sys\nsys.exit(3)\n',
     'raises.py': 'raise KeyError("the block failed")\n',
     'sleeps.py': 'import time\ntime.sleep(60)\n',
+    'naps.py': 'import time\ntime.sleep(3)\n',
 }
 
 
@@ -74,3 +76,12 @@ def test_exit_statuses_and_tracebacks_are_reported(zygote, folder):
 def test_a_script_past_its_timeout_is_killed_and_the_zygote_goes_on(zygote, folder):
     assert zygote.run(['sleeps.py'], folder, _env(), timeout=1) == (-9, '', '')
     assert zygote.run(['exits.py'], folder, _env(), timeout=60)[0] == 3
+
+
+def test_scripts_run_from_two_threads_at_once_each_get_their_own_status(folder):
+    """(test_layers_tf_keras_own_tests runs its two references from a thread pool.)"""
+    env = _env()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(forked.run_python, [name], folder, env, 60)
+                for name in ('naps.py', 'exits.py', 'raises.py')]
+        assert [run.result()[0] for run in runs] == [0, 3, 1]

@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -151,8 +152,8 @@ def _serve():
 class Zygote:
     """Runs scripts as fresh interpreters would, each forked from one TensorFlow import.
 
-    Scripts run one at a time; :meth:`close` stops it (:func:`run_python`
-    keeps one per process and environment).
+    Scripts run one at a time (one caller at a time: :func:`run_python`
+    hands a busy zygote's callers another); :meth:`close` stops it.
     """
 
     def __init__(self, env, python=sys.executable):
@@ -166,6 +167,8 @@ class Zygote:
                 self._proc.returncode, ready))
         _SCRIPTS_CPU[0] += float(ready.split()[1])      # its TensorFlow import
         self._requests = 0
+        #: Held by whoever runs a script on it (:func:`run_python`).
+        self.busy = threading.Lock()
 
     def run(self, argv, cwd, env, timeout):
         """Runs ``python argv...`` in ``cwd`` with environment ``env``, forked.
@@ -214,32 +217,44 @@ class Zygote:
 #: is imported: a zygote serves only scripts whose variables with these
 #: prefixes are its own.
 _READ_AT_IMPORT = ('TF_', 'PYTHON', 'KERAS', 'CUDA', 'LD_', 'OMP_', 'MKL', 'XLA_')
-_ZYGOTES = {}
+_ZYGOTES = {}          # key -> [Zygote]: the idle ones and those at work
+_POOL = threading.Lock()
 
 
 def run_python(argv, cwd, env, timeout):
     """Runs ``python argv...`` in ``cwd`` with ``env``, forked from a zygote of this process.
 
-    One zygote per distinct set of the variables read at import
+    Zygotes are kept per distinct set of the variables read at import
     (``_READ_AT_IMPORT``), started on first use and stopped when this
     process exits; a script whose such variables differ gets a zygote of
-    its own.
+    its own. A zygote runs one script at a time: scripts run from several
+    threads at once (a test's thread pool) each get one.
 
     Returns:
       ``(returncode, stdout, stderr)``, as :meth:`Zygote.run`.
     """
     key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(_READ_AT_IMPORT)))
-    if key not in _ZYGOTES:
+    with _POOL:
         if not _ZYGOTES:
             atexit.register(_close_all)
-        _ZYGOTES[key] = Zygote(env)
-    return _ZYGOTES[key].run(argv, cwd, env, timeout)
+        zygotes = _ZYGOTES.setdefault(key, [])
+        zygote = next((z for z in zygotes if z.busy.acquire(blocking=False)), None)
+    if zygote is None:
+        zygote = Zygote(env)
+        zygote.busy.acquire()
+        with _POOL:
+            zygotes.append(zygote)
+    try:
+        return zygote.run(argv, cwd, env, timeout)
+    finally:
+        zygote.busy.release()
 
 
 def _close_all():
-    for zygote in _ZYGOTES.values():
-        zygote.close()
-    _ZYGOTES.clear()
+    with _POOL:
+        for zygote in (z for zygotes in _ZYGOTES.values() for z in zygotes):
+            zygote.close()
+        _ZYGOTES.clear()
 
 
 if __name__ == '__main__' and sys.argv[1:] == ['--serve']:
