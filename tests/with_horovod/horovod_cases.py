@@ -96,9 +96,9 @@ def _cases():
     return cases
 
 
-ALL_CASES = _cases()
+_ALL_CASES = _cases()
 #: The cases of this pass (every case in TF2 behaviour).
-CASES = tf_behavior.pick(ALL_CASES, [c for c in ALL_CASES if c['name'] in _V1])
+CASES = tf_behavior.pick(_ALL_CASES, [c for c in _ALL_CASES if c['name'] in _V1])
 
 
 def runs():
