@@ -1,0 +1,391 @@
+"""Builds a harness's cells in one graph and records every number the oracle has.
+
+One graph per harness (and process): every cell of the run that should
+build is built side by side, each front-end on its own towers' inputs in its
+own variable scope, and one step runs them all (forward, input and parameter
+gradients, the update ops the harness keeps, in one ``session.run``). Then:
+
+* the variables, read in a ``session.run`` of their own (in TF1 behaviour a
+  variable fetched in the same run as its update races);
+* a ``tf1.train.Saver`` checkpoint, read with ``tf.train.load_checkpoint``;
+* the checkpoint restored into a fresh session and read again.
+
+A cell that raises while the graph is built is taken out and the graph
+built again without it (a half-built layer would leave collectives that
+the step cannot complete); its error is its result. A cell expected to be
+refused is built alone, in a graph of its own, and its exception (or its
+absence) is its result. SyncBNWarnings are recorded per cell (a warning
+names the layer, whose scope is the cell's).
+
+Results are keyed as ``parity_harness`` keys its arrays (``y/0``, ``dx/0``,
+``grad/0/<variable>``; plus ``var/``, ``saved/`` and ``restored/`` for the
+variables), so that ``parity_harness.assert_same_numbers`` compares them.
+"""
+
+import dataclasses
+import os
+import re
+import tempfile
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+from conformance import options as opts
+
+tf1 = tf.compat.v1
+
+#: A step may not wait longer than this for its collectives (a hang fails the cell).
+STEP_TIMEOUT_MS = 120000
+#: The compiled CPU kernels' ops (parity_harness.CUSTOM_KERNEL_OPS).
+KERNEL_OPS = ('SyncBnMoments', 'SyncBnNormalize', 'SyncBnGradSums', 'SyncBnGradInput')
+#: Warnings that say nothing about a cell: patch_keras's about tf.keras being Keras 3.
+IGNORED_WARNINGS = (r'patch_keras: tf\.keras is Keras 3',)
+
+
+@dataclasses.dataclass
+class Result:
+    """What one cell did: its arrays, or the exception that stopped it."""
+
+    arrays: dict = None
+    error: BaseException = None
+    warnings: list = dataclasses.field(default_factory=list)
+    kernel_ops: int = 0
+
+
+def scope_of(cell_id):
+    """A variable scope name for a cell id."""
+    return re.sub(r'[^A-Za-z0-9_.]', '_', cell_id)
+
+
+def _culprits(error, cells):
+    """The cells an exception of a graph's build is about: the one that raised it, or the
+    cells whose layers its message names (a check over every tower's layers)."""
+    raised = getattr(error, 'conformance_cells', None)
+    if raised:
+        return [cell for cell in cells if cell.id in raised]
+    message = str(error)
+    if isinstance(error, tf.errors.OpError):
+        # What the failed op said, not the names of the nodes it stopped.
+        message = '\n'.join(re.findall(r'assertion failed: \[(.*?)\]\n', message))
+    return [cell for cell in cells if scope_of(cell.id) + '/' in message]
+
+
+def _tag(error, cell):
+    error.conformance_cells = [cell.id]
+    return error
+
+
+def run_cells(harness_type, cells, refused=()):
+    """Runs ``cells`` (expected to build) and ``refused`` (each alone) in one harness.
+
+    Args:
+      harness_type: a ``harnesses.Harness`` subclass (a fresh one per graph).
+      cells: cells expected to build and match (``matrix.Cell``).
+      refused: cells expected to be refused at graph build.
+
+    Returns:
+      ``{cell id: Result}``.
+    """
+    results = {}
+    for cell in refused:
+        results[cell.id] = _build_alone(harness_type, cell)
+    for part in _partition(harness_type, cells):
+        results.update(_run_part(harness_type, part))
+    return results
+
+
+def _partition(harness_type, cells):
+    """The cells in graphs that can hold them together.
+
+    Where a harness builds its towers in threads, a patch is entered once
+    around the build (``Harness.threaded``): one graph holds one patch of a
+    kind, and cells whose patches differ go to graphs of their own.
+    """
+    if not harness_type.threaded:
+        return [list(cells)] if cells else []
+    parts = []
+    for cell in cells:
+        key = cell.front_end.patch_key(cell.option, _num_dev(harness_type, cell))
+        for part in parts:
+            if key is None or all(k != key[0] or v == key[1] for k, v in part['keys'].items()):
+                break
+        else:
+            part = {'cells': [], 'keys': {}}
+            parts.append(part)
+        part['cells'].append(cell)
+        if key is not None:
+            part['keys'][key[0]] = key[1]
+    return [part['cells'] for part in parts]
+
+
+def _num_dev(harness, cell):
+    """What the cell's user passes as ``num_dev``."""
+    return harness.num_dev if cell.option.num_dev else None
+
+
+def _run_part(harness_type, cells):
+    """Runs cells in one graph; the cells that fail it are taken out, the others run again.
+
+    A failure that names no cell (a check over every tower's layers that names
+    a Keras layer by its own name) splits the cells in two, each run apart.
+    """
+    results = {}
+    remaining = list(cells)
+    while remaining:
+        try:
+            results.update(_run_graph(harness_type, remaining))
+            break
+        except Exception as e:  # noqa: BLE001 - a cell's error is its result
+            culprits = _culprits(e, remaining)
+            if not culprits and len(remaining) > 1:
+                half = len(remaining) // 2
+                for part in (remaining[:half], remaining[half:]):
+                    results.update(_run_part(harness_type, part))
+                break
+            for cell in culprits or remaining:
+                results[cell.id] = Result(error=e, warnings=getattr(e, 'conformance_warnings',
+                                                                     []))
+            remaining = [cell for cell in remaining if cell not in culprits]
+    return results
+
+
+class _Graph(object):
+    """One graph's cells: their placeholders, per tower."""
+
+    def __init__(self, harness, cells):
+        self.harness = harness
+        self.cells = cells
+        self.training = tf1.placeholder(tf.bool, [], 'training')
+        self.created = {}
+        self.inputs = {}
+        for cell in cells:
+            option = cell.option
+            shape = (None,) + option.shape[1:]
+            self.inputs[cell.id] = [
+                {'x': tf1.placeholder(tf.float32, shape, 'x'),
+                 'dy': tf1.placeholder(tf.float32, shape, 'dy'),
+                 'weights': tf1.placeholder(tf.float32, [None], 'weights')}
+                for _ in option.sizes]
+
+    def tower(self, index):
+        """Builds every cell on tower ``index`` and its gradients there."""
+        from without_onednn import kernel_set  # noqa: PLC0415
+        record = {'cells': {}}
+        terms, xs, params = [], [], []
+        for cell in self.cells:
+            inputs = self.inputs[cell.id][index]
+            option, front_end = cell.option, cell.front_end
+            training = self.training if option.training_tensor else True
+            num_dev = _num_dev(self.harness, cell)
+            created = []
+            try:
+                with kernel_set(cell.kernel_set), tf1.variable_scope(scope_of(cell.id)), \
+                        tf1.variable_creator_scope(_recorder(created)):
+                    x = tf.cast(inputs['x'], option.dtype)
+                    outputs = front_end.build(x, training, option, num_dev,
+                                              weights=inputs['weights'],
+                                              patched=self.harness.threaded)
+            except Exception as e:  # noqa: BLE001 - tagged with its cell, raised again
+                raise _tag(e, cell)
+            # (Variables of other cells, built by other replicas' threads meanwhile, left out.)
+            created = [v for v in created if scope_of(cell.id) in _name(v).split('/')]
+            # The variables this tower reads: its own (replicated variables), or
+            # those the first tower created (shared ones).
+            owned = self.created.setdefault(cell.id, {})
+            owned[index] = created
+            variables = [v for v in created or owned[min(owned)] if v.trainable]
+            names = [relative(v, cell) for v in variables]
+            trainable = self.harness.replica_variables(variables, index)
+            terms.append(tf.reduce_sum(tf.cast(outputs['y'], tf.float32) * inputs['dy']))
+            xs.append(inputs['x'])
+            params.append((cell, names, trainable))
+            record['cells'][cell.id] = {'outputs': outputs}
+        flat = [v for _, _, variables in params for v in variables]
+        grads = tf.gradients(tf.add_n(terms), xs + flat)
+        grads = [tf.zeros_like(x) if g is None else tf.convert_to_tensor(g)
+                 for g, x in zip(grads, xs + flat)]
+        record['harness_grads'] = list(zip(grads[len(xs):], flat))
+        k = len(xs)
+        for (cell, names, variables), dx in zip(params, grads[:len(xs)]):
+            record['cells'][cell.id]['dx'] = dx
+            record['cells'][cell.id]['grads'] = dict(zip(names, grads[k:k + len(variables)]))
+            k += len(variables)
+        return record
+
+    def variables(self, cell):
+        """The cell's variables as the first tower created them (the saved ones)."""
+        owned = self.created[cell.id]
+        return {relative(v, cell): v for v in owned[min(owned)]}
+
+
+def _recorder(created):
+    def creator(next_creator, **kwargs):
+        variable = next_creator(**kwargs)
+        created.append(variable)
+        return variable
+    return creator
+
+
+def _name(variable):
+    """A variable's name (under a strategy, a sync-on-read variable's ``op`` is a read's)."""
+    return variable.name.split(':')[0]
+
+
+def relative(variable, cell):
+    """A cell's variable's name below the cell's scope (the name a layer gives it)."""
+    parts = _name(variable).split('/')
+    return '/'.join(parts[parts.index(scope_of(cell.id)) + 1:])
+
+
+def _warnings_of(caught, cells):
+    """``{cell id: [message]}`` of the SyncBNWarnings that name a cell's scope."""
+    from tf1_syncbn import SyncBNWarning  # noqa: PLC0415
+    found = {cell.id: [] for cell in cells}
+    for w in caught:
+        message = str(w.message)
+        if not issubclass(w.category, SyncBNWarning) or \
+                any(re.search(p, message) for p in IGNORED_WARNINGS):
+            continue
+        for cell in cells:
+            if scope_of(cell.id) + '/' in message or len(cells) == 1:
+                found[cell.id].append(message)
+    return found
+
+
+def _build(harness, cells):
+    """Builds ``cells`` in ``harness`` in a new graph; returns ``(graph, _Graph, towers)``."""
+    import contextlib  # noqa: PLC0415
+    graph = tf.Graph()
+    with graph.as_default(), contextlib.ExitStack() as patches:
+        built = _Graph(harness, cells)
+        if harness.threaded:     # each patch once, around the build (see _partition)
+            entered = set()
+            for cell in cells:
+                key = cell.front_end.patch_key(cell.option, _num_dev(harness, cell))
+                if key is not None and key not in entered:
+                    entered.add(key)
+                    try:
+                        patches.enter_context(cell.front_end.patch(
+                            cell.option, _num_dev(harness, cell)))
+                    except Exception as e:  # noqa: BLE001 - tagged with its cell, raised again
+                        raise _tag(e, cell)
+        try:
+            towers = harness.build_towers(built.tower, opts.TOWERS)
+        finally:
+            harness.close()
+            for cell in cells:
+                cell.front_end.forget()
+    return graph, built, towers
+
+
+def _build_alone(harness_type, cell):
+    """Builds one cell alone; its result holds the exception it raised (None if none)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        try:
+            _build(harness_type(), [cell])
+            error = None
+        except Exception as e:  # noqa: BLE001 - the refusal is the result
+            error = e
+    return Result(error=error, warnings=_warnings_of(caught, [cell])[cell.id])
+
+
+def _feed(built):
+    feed = {built.training: True}
+    for cell in built.cells:
+        data = cell.data()
+        for rows, inputs in zip(opts.tower_rows(cell.option.sizes), built.inputs[cell.id]):
+            feed[inputs['x']] = data['x'][rows]
+            feed[inputs['dy']] = data['dy'][rows]
+            feed[inputs['weights']] = data['weights'][rows]
+    return feed
+
+
+def _place(parts, sizes):
+    """Per-tower arrays put back at their rows of the global batch (float32)."""
+    rows = opts.tower_rows(sizes)
+    out = np.zeros((sum(sizes),) + parts[0].shape[1:], np.float32)
+    for part, r in zip(parts, rows):
+        out[r] = part
+    return out
+
+
+def _run_graph(harness_type, cells):
+    harness = harness_type()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        try:
+            graph, built, towers = _build(harness, cells)
+        except Exception as e:
+            culprits = _culprits(e, cells)
+            if len(culprits) == 1:
+                e.conformance_warnings = _warnings_of(caught, cells)[culprits[0].id]
+            raise
+    cell_warnings = _warnings_of(caught, cells)
+    with graph.as_default():
+        fetches = {'cells': {cell.id: [tower['cells'][cell.id] for tower in towers]
+                             for cell in cells},
+                   'step': harness.updates(len(towers)) + harness.step_ops()}
+        variables = {cell.id: built.variables(cell) for cell in cells}
+        saver = tf1.train.Saver(tf1.global_variables())
+        init = tf1.global_variables_initializer()
+        local_init = tf1.local_variables_initializer()
+    options = tf1.RunOptions(timeout_in_ms=STEP_TIMEOUT_MS)
+    config = harness.session_config(len(towers))
+    with tf1.Session(graph=graph, config=config) as sess:
+        sess.run([init, local_init], options=options)
+        try:
+            values = sess.run(fetches, _feed(built), options=options)
+        except Exception as e:
+            # A run-time check that names layers (towers that never built one):
+            # those cells' error; the others run again without them.
+            e.conformance_cells = [cell.id for cell in _culprits(e, cells)]
+            raise
+        read = sess.run(variables, options=options)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = saver.save(sess, os.path.join(tmp, 'model'))
+            reader = tf.train.load_checkpoint(path)
+            saved = {cell.id: {rel: _checkpoint_value(reader, v)
+                               for rel, v in variables[cell.id].items()} for cell in cells}
+            with tf1.Session(graph=graph, config=config) as fresh:
+                saver.restore(fresh, path)
+                restored = fresh.run(variables, options=options)
+    kernel_ops = _kernel_ops(graph, cells)
+    results = {}
+    for cell in cells:
+        per_tower = values['cells'][cell.id]
+        arrays = {}
+        for name in cell.front_end.outputs:
+            parts = [np.asarray(t['outputs'][name], np.float32) for t in per_tower]
+            arrays['y/0' if name == 'y' else 'y/%s' % name] = (
+                _place(parts, cell.option.sizes) if name == 'y' else np.stack(parts))
+        arrays['dx/0'] = _place([t['dx'] for t in per_tower], cell.option.sizes)
+        for rel in per_tower[0]['grads']:
+            arrays['grad/0/' + rel] = np.sum([t['grads'][rel] for t in per_tower], axis=0)
+        for rel in variables[cell.id]:
+            arrays['var/' + rel] = read[cell.id][rel]
+            arrays['saved/' + rel] = saved[cell.id][rel]
+            arrays['restored/' + rel] = restored[cell.id][rel]
+        results[cell.id] = Result(arrays=arrays, warnings=cell_warnings[cell.id],
+                                  kernel_ops=kernel_ops[cell.id])
+    return results
+
+
+def _checkpoint_value(reader, variable):
+    name = _name(variable)
+    if reader.has_tensor(name):
+        return reader.get_tensor(name)
+    return np.full(np.shape(variable), np.nan, np.float32)     # fails the comparison
+
+
+def _kernel_ops(graph, cells):
+    counts = {cell.id: 0 for cell in cells}
+    scopes = {scope_of(cell.id): cell.id for cell in cells}
+    for op in graph.get_operations():
+        if op.type in KERNEL_OPS:
+            for part in op.name.split('/'):
+                if part in scopes:
+                    counts[scopes[part]] += 1
+                    break
+    return counts
