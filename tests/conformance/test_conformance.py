@@ -33,7 +33,6 @@ import re
 import numpy as np
 import pytest
 
-import tf_behavior
 from conformance import matrix, oracle, run
 from parity_harness import HALF_EPS, assert_same_numbers
 from without_onednn import in_child, kernel_sets, run_stock_cases_without_onednn
@@ -82,16 +81,26 @@ def _grouping_requests():
             for groups in GROUPINGS}
 
 
-@pytest.fixture(scope='module')
-def reference_dir(tmp_path_factory):
-    """Where every reference of this run's cells is (the stock ones' too), computed once.
+def _selected(session):
+    """The cells of this run's selected tests (``-k``, ``-m``), the stock child's included."""
+    cells = [item.callspec.params['cell'] for item in session.items
+             if item.originalname == 'test_cell' and item.module.__name__ == __name__]
+    if any(item.originalname == 'test_stock_kernel_cells_without_onednn'
+           for item in session.items):
+        cells += STOCK_ELSEWHERE
+    return cells
 
-    A child run (``without_onednn``) reads its parent's.
+
+@pytest.fixture(scope='module')
+def reference_dir(request, tmp_path_factory):
+    """Where every reference of this run's selected cells is (the stock child's too), computed
+    once. A child run (``without_onednn``) reads its parent's.
     """
     if os.environ.get(REFERENCE_DIR_VARIABLE):
         return pathlib.Path(os.environ[REFERENCE_DIR_VARIABLE])
-    wanted = _requests(CELLS)
-    if not tf_behavior.is_v1():
+    wanted = _requests(_selected(request.session))
+    if any(item.originalname == 'test_the_oracle_tells_the_groupings_apart'
+           for item in request.session.items):
         wanted.update(_grouping_requests())
     folder = tmp_path_factory.mktemp('conformance')
     oracle.compute(list(wanted.values()), folder)

@@ -124,9 +124,15 @@ class FrontEnd(object):
         return None
 
     def patch_key(self, option, num_dev):
-        """What tells this row's patches apart: ``(kind, arguments)``, or None."""
+        """``(family, what)``: which of its family's patches a call needs, or None.
+
+        A patch switches its family's layer for the whole process (and may lend
+        its arguments to the family's direct calls): where towers are built in
+        threads, one graph holds one of a family's keys, ``'direct'`` for the
+        direct rows.
+        """
         del option, num_dev
-        return None
+        return (self.family, 'direct') if self.family in PATCHED_FAMILIES else None
 
 
 def _as_lists(group_size):
@@ -207,10 +213,16 @@ class SyncArgScope(_Slim):
         'modules': ('tests/slim/test_slim_nets.py', "which modules' names it switches"),
     })
 
+    def patch(self, option, num_dev):
+        from tf1_syncbn import sync_arg_scope  # noqa: PLC0415
+        return sync_arg_scope(**self.sync_kwargs(option, num_dev))
+
+    def patch_key(self, option, num_dev):
+        return (self.family, repr(sorted(self.sync_kwargs(option, num_dev).items())))
+
     def build(self, x, training, option, num_dev, weights=None, patched=False):
         import tf_slim as slim  # noqa: PLC0415
-        from tf1_syncbn import sync_arg_scope  # noqa: PLC0415
-        with sync_arg_scope(**self.sync_kwargs(option, num_dev)):
+        with contextlib.nullcontext() if patched else self.patch(option, num_dev):
             return {'y': slim.batch_norm(x, **self.kwargs(option, training))}
 
 
@@ -351,7 +363,7 @@ class PatchTensorpack(_Tensorpack):
         return patch_tensorpack(**self.sync_kwargs(option, num_dev))
 
     def patch_key(self, option, num_dev):
-        return (self.name, repr(sorted(self.sync_kwargs(option, num_dev).items())))
+        return (self.family, repr(sorted(self.sync_kwargs(option, num_dev).items())))
 
     def build(self, x, training, option, num_dev, weights=None, patched=False):
         import tensorpack.models  # noqa: PLC0415
@@ -477,7 +489,7 @@ class PatchTfLayers(_Layers):
         return patch_tf_layers(**self.sync_kwargs(option, num_dev))
 
     def patch_key(self, option, num_dev):
-        return (self.name, repr(sorted(self.sync_kwargs(option, num_dev).items())))
+        return (self.family, repr(sorted(self.sync_kwargs(option, num_dev).items())))
 
     def build(self, x, training, option, num_dev, weights=None, patched=False):
         with contextlib.nullcontext() if patched else self.patch(option, num_dev):
@@ -535,11 +547,18 @@ class PatchKeras(_Keras):
     parameters = ('sync_statistics', 'num_dev')
     not_sync_relevant = {}
 
+    def patch(self, option, num_dev):
+        from tf1_syncbn import keras as sync_keras  # noqa: PLC0415
+        return sync_keras.patch_keras(**self.sync_kwargs(option, num_dev))
+
+    def patch_key(self, option, num_dev):
+        return (self.family, repr(sorted(self.sync_kwargs(option, num_dev).items())))
+
     def build(self, x, training, option, num_dev, weights=None, patched=False):
         from tf1_syncbn import keras as sync_keras  # noqa: PLC0415
 
         def make():
-            with sync_keras.patch_keras(**self.sync_kwargs(option, num_dev)):
+            with contextlib.nullcontext() if patched else self.patch(option, num_dev):
                 return importlib.import_module(sync_keras.KERAS_PACKAGE).layers.BatchNormalization(
                     name='bn', **self.kwargs(option, training))
         return self._call(make, x, training)
@@ -640,6 +659,9 @@ def _broadcastable(weights, x):
     weights = tf.cast(weights, x.dtype)
     return tf.reshape(weights, [-1] + [1] * (len(x.shape) - 1))
 
+
+#: The families with a patch (a row that reaches the layer through it).
+PATCHED_FAMILIES = ('slim', 'tensorpack', 'layers', 'keras')
 
 FRONT_ENDS = (SyncBatchNorm(), SyncArgScope(), TensorpackBatchNorm(), TensorpackBatchRenorm(),
               PatchTensorpack(), LayersFunction(), LayersClass(), PatchTfLayers(), KerasClass(),

@@ -56,6 +56,8 @@ class Harness(object):
     #: Builds its towers in threads (``tf.distribute``'s replicas): a patch is entered
     #: once around the whole build, as scripts do, not around each call.
     threaded = False
+    #: A ``tf.estimator.Estimator`` runs the graph (``run._run_estimator``).
+    estimator = False
 
     def unavailable(self):
         """Why the harness does not exist on this TensorFlow, or None."""
@@ -298,6 +300,12 @@ class _Tensorpack(Harness):
     def step_ops(self):
         return [self._train_op]
 
+    def session_config(self, towers):
+        # tensorpack applies the replicated trainer's gradients on '/gpu:<k>' (its
+        # tensorpack_harness.py runs so too): placed on the CPUs by soft placement.
+        from tower import virtual_cpu_config  # noqa: PLC0415
+        return virtual_cpu_config(towers, allow_soft_placement=True)
+
 
 class TensorpackParameterServer(_Tensorpack):
     name = 'tensorpack_ps'
@@ -314,6 +322,14 @@ class TensorpackReplicated(_Tensorpack):
     title = "tensorpack's `SyncMultiGPUTrainerReplicated` (each tower's own variables)"
     docs_rows = ()
 
+    def not_applicable(self, front_end, option):
+        if front_end.family == 'keras':
+            return ("tensorpack's replicated trainer pairs the towers' copies by variable "
+                    "scope; Keras names a layer's weights by the tower's name scope "
+                    "(`tower0/...`), which the trainer refuses (tf-keras' own layer too): "
+                    'the parameter-server trainer runs Keras models')
+        return super(TensorpackReplicated, self).not_applicable(front_end, option)
+
     def make_builder(self, towers):
         from tensorpack.graph_builder.training import (  # noqa: PLC0415
             SyncMultiGPUReplicatedBuilder)
@@ -327,12 +343,26 @@ def _estimator_missing():
 
 
 class _Estimator(Harness):
-    """``tf.estimator.Estimator`` (TensorFlow 2.15): the version subset runs its cells."""
+    """``tf.estimator.Estimator`` (TensorFlow 2.15): the version subset runs its cells.
+
+    The ``model_fn`` builds the cells (``run._run_estimator``); the input
+    function gives nothing the cells read (a hook feeds their inputs).
+    """
 
     marks = ('versions',)
+    estimator = True
+    model_fn_per_replica = False
 
     def unavailable(self):
         return _estimator_missing()
+
+    @staticmethod
+    def input_fn():
+        return tf.data.Dataset.from_tensors(({'unused': [0.0]}, [0.0])).repeat()
+
+    def run_config(self, towers):
+        return tf.estimator.RunConfig(session_config=self.session_config(towers),
+                                      save_summary_steps=None, log_step_count_steps=None)
 
 
 class EstimatorMirrored(_Estimator):
@@ -341,16 +371,33 @@ class EstimatorMirrored(_Estimator):
     docs_rows = ('`tf.estimator.Estimator` (TensorFlow 2.15, the last release that has it) '
                  'with `RunConfig(train_distribute=tf.compat.v1.distribute.MirroredStrategy'
                  '(...))`',)
-    keeps = 'every replica'
+    keeps = 'every replica (the strategy merges them)'
+    threaded = True
+    model_fn_per_replica = True
+
+    def run_config(self, towers):
+        return tf.estimator.RunConfig(
+            session_config=self.session_config(towers), save_summary_steps=None,
+            log_step_count_steps=None,
+            train_distribute=tf1.distribute.MirroredStrategy(_devices(towers)))
+
+    def replica_variables(self, variables, index):
+        strategy = tf.distribute.get_strategy()
+        return [strategy.experimental_local_results(v)[index]
+                if len(strategy.experimental_local_results(v)) > 1 else v
+                for v in variables]
 
 
-class EstimatorTowers(_Estimator):
+class EstimatorTowers(_Estimator, TowerLoop):
     name = 'estimator_towers'
     title = 'a `model_fn` that builds `tower_%d` towers'
     docs_rows = ('a `model_fn` that builds its own towers (`tower_<i>` name scopes, one per '
                  'device) in a plain `Estimator`',)
     num_dev = opts.TOWERS
     keeps = 'every tower'
+
+    def updates(self, towers):
+        return tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
 
 
 class _Pending(Harness):

@@ -22,6 +22,7 @@ Results are keyed as ``parity_harness`` keys its arrays (``y/0``, ``dx/0``,
 variables), so that ``parity_harness.assert_same_numbers`` compares them.
 """
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -98,9 +99,10 @@ def run_cells(harness_type, cells, refused=()):
 def _partition(harness_type, cells):
     """The cells in graphs that can hold them together.
 
-    Where a harness builds its towers in threads, a patch is entered once
-    around the build (``Harness.threaded``): one graph holds one patch of a
-    kind, and cells whose patches differ go to graphs of their own.
+    Where a harness builds its towers in threads (``Harness.threaded``), a
+    patch is entered once around the build, as scripts do: one graph holds
+    one patch of a family, and no direct call of that family (a patch may
+    lend its arguments to them).
     """
     if not harness_type.threaded:
         return [list(cells)] if cells else []
@@ -108,7 +110,7 @@ def _partition(harness_type, cells):
     for cell in cells:
         key = cell.front_end.patch_key(cell.option, _num_dev(harness_type, cell))
         for part in parts:
-            if key is None or all(k != key[0] or v == key[1] for k, v in part['keys'].items()):
+            if key is None or part['keys'].get(key[0], key[1]) == key[1]:
                 break
         else:
             part = {'cells': [], 'keys': {}}
@@ -143,7 +145,8 @@ def _run_part(harness_type, cells):
                 for part in (remaining[:half], remaining[half:]):
                     results.update(_run_part(harness_type, part))
                 break
-            for cell in culprits or remaining:
+            culprits = culprits or remaining
+            for cell in culprits:
                 results[cell.id] = Result(error=e, warnings=getattr(e, 'conformance_warnings',
                                                                      []))
             remaining = [cell for cell in remaining if cell not in culprits]
@@ -202,10 +205,11 @@ class _Graph(object):
             params.append((cell, names, trainable))
             record['cells'][cell.id] = {'outputs': outputs}
         flat = [v for _, _, variables in params for v in variables]
-        grads = tf.gradients(tf.add_n(terms), xs + flat)
+        grads = tf.gradients(terms, xs + flat)
         grads = [tf.zeros_like(x) if g is None else tf.convert_to_tensor(g)
                  for g, x in zip(grads, xs + flat)]
         record['harness_grads'] = list(zip(grads[len(xs):], flat))
+        record['loss'] = tf.add_n(terms)
         k = len(xs)
         for (cell, names, variables), dx in zip(params, grads[:len(xs)]):
             record['cells'][cell.id]['dx'] = dx
@@ -255,21 +259,9 @@ def _warnings_of(caught, cells):
 
 def _build(harness, cells):
     """Builds ``cells`` in ``harness`` in a new graph; returns ``(graph, _Graph, towers)``."""
-    import contextlib  # noqa: PLC0415
     graph = tf.Graph()
-    with graph.as_default(), contextlib.ExitStack() as patches:
+    with graph.as_default(), _patches(harness, cells):
         built = _Graph(harness, cells)
-        if harness.threaded:     # each patch once, around the build (see _partition)
-            entered = set()
-            for cell in cells:
-                key = cell.front_end.patch_key(cell.option, _num_dev(harness, cell))
-                if key is not None and key not in entered:
-                    entered.add(key)
-                    try:
-                        patches.enter_context(cell.front_end.patch(
-                            cell.option, _num_dev(harness, cell)))
-                    except Exception as e:  # noqa: BLE001 - tagged with its cell, raised again
-                        raise _tag(e, cell)
         try:
             towers = harness.build_towers(built.tower, opts.TOWERS)
         finally:
@@ -279,12 +271,37 @@ def _build(harness, cells):
     return graph, built, towers
 
 
+@contextlib.contextmanager
+def _patches(harness, cells):
+    """Where a harness builds its towers in threads, each cell's patch, once around the build.
+
+    (See :func:`_partition`: the cells of one graph share each kind of patch.)
+    """
+    with contextlib.ExitStack() as patches:
+        if harness.threaded:
+            entered = set()
+            for cell in cells:
+                key = cell.front_end.patch_key(cell.option, _num_dev(harness, cell))
+                if key is not None and key[1] != 'direct' and key not in entered:
+                    entered.add(key)
+                    try:
+                        patches.enter_context(cell.front_end.patch(
+                            cell.option, _num_dev(harness, cell)))
+                    except Exception as e:  # noqa: BLE001 - tagged with its cell, raised again
+                        raise _tag(e, cell)
+        yield
+
+
 def _build_alone(harness_type, cell):
     """Builds one cell alone; its result holds the exception it raised (None if none)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         try:
-            _build(harness_type(), [cell])
+            harness = harness_type()
+            if harness.estimator:
+                _run_estimator(harness, [cell])
+            else:
+                _build(harness, [cell])
             error = None
         except Exception as e:  # noqa: BLE001 - the refusal is the result
             error = e
@@ -313,16 +330,15 @@ def _place(parts, sizes):
 
 def _run_graph(harness_type, cells):
     harness = harness_type()
+    if harness.estimator:
+        return _run_estimator(harness, cells)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         try:
             graph, built, towers = _build(harness, cells)
         except Exception as e:
-            culprits = _culprits(e, cells)
-            if len(culprits) == 1:
-                e.conformance_warnings = _warnings_of(caught, cells)[culprits[0].id]
+            _keep_warnings(e, caught, cells)
             raise
-    cell_warnings = _warnings_of(caught, cells)
     with graph.as_default():
         fetches = {'cells': {cell.id: [tower['cells'][cell.id] for tower in towers]
                              for cell in cells},
@@ -338,23 +354,43 @@ def _run_graph(harness_type, cells):
         try:
             values = sess.run(fetches, _feed(built), options=options)
         except Exception as e:
-            # A run-time check that names layers (towers that never built one):
-            # those cells' error; the others run again without them.
-            e.conformance_cells = [cell.id for cell in _culprits(e, cells)]
+            _name_culprits(e, cells)
             raise
         read = sess.run(variables, options=options)
         with tempfile.TemporaryDirectory() as tmp:
             path = saver.save(sess, os.path.join(tmp, 'model'))
-            reader = tf.train.load_checkpoint(path)
-            saved = {cell.id: {rel: _checkpoint_value(reader, v)
-                               for rel, v in variables[cell.id].items()} for cell in cells}
-            with tf1.Session(graph=graph, config=config) as fresh:
-                saver.restore(fresh, path)
-                restored = fresh.run(variables, options=options)
-    kernel_ops = _kernel_ops(graph, cells)
+            saved = _saved(path, variables)
+            restored = _restore_fresh(graph, path, variables, config)
+    return _results(cells, values['cells'], variables, read, saved, restored,
+                    _kernel_ops(graph, cells), _warnings_of(caught, cells))
+
+
+def _keep_warnings(error, caught, cells):
+    """Gives a build error of one cell that cell's warnings."""
+    culprits = _culprits(error, cells)
+    if len(culprits) == 1:
+        error.conformance_warnings = _warnings_of(caught, cells)[culprits[0].id]
+
+
+def _name_culprits(error, cells):
+    """A run-time check that names layers (towers that never built one): those cells' error.
+
+    The others run again without them (:func:`_run_part`).
+    """
+    error.conformance_cells = [cell.id for cell in _culprits(error, cells)]
+
+
+def _saved(path, variables):
+    reader = tf.train.load_checkpoint(path)
+    return {cell: {rel: _checkpoint_value(reader, v) for rel, v in named.items()}
+            for cell, named in variables.items()}
+
+
+def _results(cells, values, variables, read, saved, restored, kernel_ops, cell_warnings):
+    """Every cell's arrays, keyed as the oracle keys its references."""
     results = {}
     for cell in cells:
-        per_tower = values['cells'][cell.id]
+        per_tower = values[cell.id]
         arrays = {}
         for name in cell.front_end.outputs:
             parts = [np.asarray(t['outputs'][name], np.float32) for t in per_tower]
@@ -370,6 +406,92 @@ def _run_graph(harness_type, cells):
         results[cell.id] = Result(arrays=arrays, warnings=cell_warnings[cell.id],
                                   kernel_ops=kernel_ops[cell.id])
     return results
+
+
+def _run_estimator(harness, cells):
+    """The cells in a ``tf.estimator.Estimator``: one ``train(steps=1)`` builds and runs them.
+
+    The ``model_fn`` builds the towers (the harness's loop, or one replica per
+    call under ``train_distribute``), applies the towers' gradients with
+    learning rate 0 after the ``UPDATE_OPS``, as an Estimator's train op does;
+    a hook feeds the cells' inputs and fetches their outputs and gradients in
+    the training step, then reads the variables in a run of its own. The
+    Estimator's checkpoint is read back, and restored into a fresh session.
+    """
+    import tensorflow_estimator  # noqa: F401, PLC0415 - tf.estimator's package (2.15)
+    state = {'records': {}}
+
+    def model_fn(features, labels, mode):
+        del features, labels
+        graph = tf1.get_default_graph()
+        if state.get('graph') is not graph:
+            state.update(graph=graph, built=_Graph(harness, cells), records={})
+        built = state['built']
+        if harness.model_fn_per_replica:
+            context = tf.distribute.get_replica_context()
+            index = int(tf.get_static_value(context.replica_id_in_sync_group))
+            towers = {index: built.tower(index)}
+        else:
+            towers = dict(enumerate(harness.build_towers(built.tower, opts.TOWERS)))
+        state['records'].update(towers)
+        loss = tf.add_n([record['loss'] for record in towers.values()])
+        grads = {}
+        for record in towers.values():
+            for grad, variable in record['harness_grads']:
+                grads.setdefault(id(variable), [variable]).append(grad)
+        with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+            train_op = tf1.train.GradientDescentOptimizer(0.0).apply_gradients(
+                [(tf.add_n(g), v) for v, *g in grads.values()],
+                global_step=tf1.train.get_global_step())
+        return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+    class Hook(tf1.train.SessionRunHook):
+        def begin(self):
+            built = state['built']
+            self.fetches = {cell.id: [state['records'][t]['cells'][cell.id]
+                                      for t in range(opts.TOWERS)] for cell in cells}
+            self.variables = {cell.id: built.variables(cell) for cell in cells}
+            # (A read in cross-replica context builds ops: before the graph is finalized.)
+            self.reads = {cell: {rel: tf.identity(v) for rel, v in named.items()}
+                          for cell, named in self.variables.items()}
+
+        def before_run(self, run_context):
+            return tf1.train.SessionRunArgs(self.fetches, feed_dict=_feed(state['built']))
+
+        def after_run(self, run_context, run_values):
+            state['values'] = run_values.results
+
+        def end(self, session):
+            state['read'] = session.run(self.reads)
+
+    with warnings.catch_warnings(record=True) as caught, \
+            tempfile.TemporaryDirectory() as tmp:
+        warnings.simplefilter('always')
+        estimator = tf.estimator.Estimator(model_fn, model_dir=tmp,
+                                           config=harness.run_config(opts.TOWERS))
+        hook = Hook()
+        try:
+            with _patches(harness, cells):
+                estimator.train(harness.input_fn, steps=1, hooks=[hook])
+        except Exception as e:
+            _keep_warnings(e, caught, cells)
+            _name_culprits(e, cells)
+            raise
+        path = estimator.latest_checkpoint()
+        saved = _saved(path, hook.variables)
+        restored = _restore_fresh(state['graph'], path, hook.variables,
+                                  harness.session_config(opts.TOWERS))
+    return _results(cells, state['values'], hook.variables, state['read'], saved, restored,
+                    _kernel_ops(state['graph'], cells), _warnings_of(caught, cells))
+
+
+def _restore_fresh(graph, path, variables, config):
+    """The variables restored from the checkpoint at ``path`` into a fresh session."""
+    with graph.as_default():
+        saver = tf1.train.Saver(tf1.global_variables())
+    with tf1.Session(graph=graph, config=config) as sess:
+        saver.restore(sess, path)
+        return sess.run(variables, options=tf1.RunOptions(timeout_in_ms=STEP_TIMEOUT_MS))
 
 
 def _checkpoint_value(reader, variable):
