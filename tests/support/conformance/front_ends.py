@@ -135,6 +135,15 @@ class FrontEnd(object):
         return (self.family, 'direct') if self.family in PATCHED_FAMILIES else None
 
 
+def recording(created):
+    """A variable creator scope that appends every variable created in it to ``created``."""
+    def creator(next_creator, **kwargs):
+        variable = next_creator(**kwargs)
+        created.append(variable)
+        return variable
+    return tf1.variable_creator_scope(creator)
+
+
 def _as_lists(group_size):
     if isinstance(group_size, tuple):
         return [list(group) for group in group_size]
@@ -340,9 +349,16 @@ class TensorpackBatchRenorm(_Tensorpack):
                                  **self.sync_kwargs(option, num_dev))}
 
     def build_replaced(self, x, training, option, weights=None):
+        """tensorpack's BatchRenorm; on rank 2, on the ``[N, 1, 1, C]`` view of the input.
+
+        (tensorpack 0.11's BatchRenorm squeezes axes 1 and 2 of its output,
+        which a rank-2 input does not have; the view is the same batch.)
+        """
         from tensorpack.models import BatchRenorm  # noqa: PLC0415
-        return {'y': BatchRenorm('bn', x, rmax=opts.BATCH_RENORM_RMAX,
-                                 dmax=opts.BATCH_RENORM_DMAX, **self.kwargs(option, training))}
+        view = tf.reshape(x, [-1, 1, 1, x.shape[-1]]) if option.layout == 'rank2' else x
+        y = BatchRenorm('bn', view, rmax=opts.BATCH_RENORM_RMAX, dmax=opts.BATCH_RENORM_DMAX,
+                        **self.kwargs(option, training))
+        return {'y': tf.reshape(y, tf.shape(x)) if option.layout == 'rank2' else y}
 
 
 class PatchTensorpack(_Tensorpack):

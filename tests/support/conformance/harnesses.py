@@ -194,6 +194,7 @@ class UnnamedLoop(Harness):
 
     name = 'unnamed_loop'
     title = 'a loop with no tower name (`tf.device` + reuse)'
+    keeps = 'the first copy'
     docs_rows = ('a hand-written loop with no tower name (`tf.device` and '
                  "`tf.variable_scope('', reuse=i > 0)` only, or an unregistered `gpu_<i>` "
                  'name scope)',)
@@ -209,7 +210,15 @@ class UnnamedLoop(Harness):
         for i in range(towers):
             with tf.device('/cpu:%d' % i), tf1.variable_scope('', reuse=i > 0):
                 results.append(tower_fn(i))
+            if i == 0:
+                self._first = len(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS))
         return results
+
+    def updates(self, towers):
+        # Copies that name no tower each update the statistics (with sync_statistics=None):
+        # the script keeps the first copy's update ops, as model_deploy keeps the first
+        # clone's (every copy's would apply four updates, in no set order).
+        return tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)[:self._first]
 
 
 class _Strategy(Harness):

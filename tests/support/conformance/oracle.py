@@ -82,14 +82,6 @@ def load(path):
     return references
 
 
-def _recorder(created):
-    def creator(next_creator, **kwargs):
-        variable = next_creator(**kwargs)
-        created.append(variable)
-        return variable
-    return creator
-
-
 def _relative(variable, scope):
     parts = variable.op.name.split('/')
     return '/'.join(parts[parts.index(scope) + 1:])
@@ -106,7 +98,7 @@ def _build_group(front_end, option, members, data, training, index, g):
     scope = 'g%d' % g
     before = len(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS))
     with front_end.replaced_context(), tf1.variable_scope('r%d' % index), \
-            tf1.variable_scope(scope), tf1.variable_creator_scope(_recorder(created)):
+            tf1.variable_scope(scope), fes.recording(created):
         outputs = front_end.build_replaced(tf.cast(x, option.dtype),
                                            training if option.training_tensor else True, option,
                                            weights=weights)

@@ -32,6 +32,7 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
+from conformance import front_ends
 from conformance import options as opts
 
 tf1 = tf.compat.v1
@@ -184,7 +185,7 @@ class _Graph(object):
             created = []
             try:
                 with kernel_set(cell.kernel_set), tf1.variable_scope(scope_of(cell.id)), \
-                        tf1.variable_creator_scope(_recorder(created)):
+                        front_ends.recording(created):
                     x = tf.cast(inputs['x'], option.dtype)
                     outputs = front_end.build(x, training, option, num_dev,
                                               weights=inputs['weights'],
@@ -221,14 +222,6 @@ class _Graph(object):
         """The cell's variables as the first tower created them (the saved ones)."""
         owned = self.created[cell.id]
         return {relative(v, cell): v for v in owned[min(owned)]}
-
-
-def _recorder(created):
-    def creator(next_creator, **kwargs):
-        variable = next_creator(**kwargs)
-        created.append(variable)
-        return variable
-    return creator
 
 
 def _name(variable):
