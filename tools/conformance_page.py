@@ -127,21 +127,20 @@ def render():
     for harness in harnesses.HARNESSES:
         add('### %s' % harness.title)
         add('')
-        adds = ('`num_dev=%d`' % harness.num_dev) if harness.num_dev else 'nothing'
-        facts = ['column `%s`' % harness.name, 'users add: %s' % adds,
-                 'a step runs the update ops of %s' % harness.keeps]
+        adds = harness.adds or (('`num_dev=%d`' % harness.num_dev) if harness.num_dev
+                                 else 'nothing')
+        facts = ['column `%s`' % harness.name, 'users add: %s' % adds]
         if harness.pending:
             add('%s. **Pending**: its cells run in %s, not yet in the matrix.'
                 % (_sentence(facts), harness.pending))
             add('')
             continue
-        missing = harness.unavailable()
-        if isinstance(harness, harnesses._Estimator):  # noqa: SLF001 - the page's own note
+        facts.append('a step runs the update ops of %s' % harness.keeps)
+        if 'versions' in harness.marks:
             facts.append('TensorFlow 2.15 only (`tf.estimator`): the version subset runs '
                          'these cells')
         add('%s.' % _sentence(facts))
         add('')
-        del missing
         rows = []
         for option in options.OPTIONS:
             row = [_code(option.name)]
@@ -182,21 +181,31 @@ def _sentence(parts):
 
 
 def _where(cells):
-    """The cells of one reason, in few words: rows x options, in which columns."""
-    by_pair = collections.OrderedDict()
+    """The cells of one reason in few words: rows, with which options, in which columns."""
+    every_column = {h.name for h in harnesses.HARNESSES if not h.pending}
+    every_option = [o.name for o in options.OPTIONS]
+    columns_of = collections.OrderedDict()        # (row, option) -> columns
     for fe, harness, option in cells:
-        by_pair.setdefault((fe, option), []).append(harness)
-    everywhere = {h.name for h in harnesses.HARNESSES if not h.pending}
-    groups = collections.OrderedDict()
-    for (fe, option), columns in by_pair.items():
-        key = 'every column' if set(columns) >= everywhere else ', '.join(
-            '`%s`' % c for c in columns)
-        groups.setdefault((option, key), []).append(fe)
+        columns_of.setdefault((fe, option), set()).add(harness)
+    shape_of = collections.OrderedDict()          # row -> ((columns, options), ...)
+    for (fe, option), columns in columns_of.items():
+        shape_of.setdefault(fe, collections.OrderedDict()).setdefault(
+            frozenset(columns), []).append(option)
+    rows_of = collections.OrderedDict()           # the same shape -> rows
+    for fe, shape in shape_of.items():
+        rows_of.setdefault(tuple((c, tuple(o)) for c, o in shape.items()), []).append(fe)
     parts = []
-    for (option, key), fes in groups.items():
+    for shape, fes in rows_of.items():
         rows = 'every row' if len(fes) == len(front_ends.FRONT_ENDS) else ', '.join(
             '`%s`' % fe for fe in fes)
-        parts.append('%s with `%s` (%s)' % (rows[0].upper() + rows[1:], option, key))
+        places = []
+        for columns, option_names in shape:
+            where = 'every column' if columns >= every_column else ', '.join(
+                '`%s`' % c for c in sorted(columns, key=list(harnesses.BY_NAME).index))
+            what = 'every option' if list(option_names) == every_option else ', '.join(
+                '`%s`' % o for o in option_names)
+            places.append('%s (%s)' % (what, where))
+        parts.append('%s with %s' % (rows[0].upper() + rows[1:], '; '.join(places)))
     return '; '.join(parts)
 
 

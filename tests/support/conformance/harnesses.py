@@ -39,6 +39,7 @@ class Harness(object):
         harnesses, and what you add") that this column covers.
       num_dev: what users pass as ``num_dev`` (None: nothing, the harness
         names its towers).
+      adds: what users add, for the page, where it is not ``num_dev``.
       keeps: whose update ops a step runs, for the page.
       pending: None, or where the column's cells run instead (a test module
         or make target), while they are not run by the matrix itself.
@@ -50,6 +51,7 @@ class Harness(object):
     title = None
     docs_rows = ()
     num_dev = None
+    adds = None
     keeps = 'every tower'
     pending = None
     marks = ()
@@ -419,6 +421,7 @@ class _Pending(Harness):
 class MultiWorker(_Pending):
     name = 'multi_worker'
     title = 'worker processes (`tf1_syncbn.distributed`)'
+    adds = '`sync_statistics=cluster.backend()` (and `num_dev`, as the harness of its towers)'
     docs_rows = ('one process per device without Horovod',)
     pending = ('tests/distributed/test_multi_worker_training.py and '
                'tests/distributed/test_sync_groups_workers.py (worker processes)')
@@ -434,6 +437,7 @@ class MultiWorkerMirrored(_Pending):
 class Horovod(_Pending):
     name = 'horovod'
     title = "Horovod (`sync_statistics='horovod'`, one process per device)"
+    adds = "`sync_statistics='horovod'`"
     docs_rows = ('one process per device under `horovodrun`, as `hvd.SyncBatchNormalization`',)
     pending = 'make test-horovod (tests/with_horovod/test_horovod_parity.py)'
 
