@@ -24,8 +24,9 @@ every public argument and every harness has its entry (:data:`SIGNATURES`,
 :data:`HARNESS_TABLE`); ``tools/conformance_page.py`` writes
 docs/conformance.md from here.
 
-Expected outcomes are those of the library after issue 42's fixes: a cell
-that fails on an older library names the defect in its test's failure.
+Expected outcomes are those of the library after issue 42's fixes (its
+defects' cells are :data:`REGRESSIONS`): on a library without them, those
+cells fail, saying what the layer did instead.
 """
 
 import dataclasses

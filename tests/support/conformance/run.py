@@ -10,12 +10,19 @@ gradients, the update ops the harness keeps, in one ``session.run``). Then:
 * a ``tf1.train.Saver`` checkpoint, read with ``tf.train.load_checkpoint``;
 * the checkpoint restored into a fresh session and read again.
 
-A cell that raises while the graph is built is taken out and the graph
-built again without it (a half-built layer would leave collectives that
-the step cannot complete); its error is its result. A cell expected to be
-refused is built alone, in a graph of its own, and its exception (or its
-absence) is its result. SyncBNWarnings are recorded per cell (a warning
-names the layer, whose scope is the cell's).
+A cell that raises while the graph is built, or whose layer a failed step
+names (the run-time check of towers that never built a layer), is taken
+out and the graph built and run again without it (a half-built layer would
+leave collectives that the step cannot complete); its error is its result.
+A failure that names no cell splits the graph's cells in two. A cell
+expected to be refused is built alone, in a graph of its own, and its
+exception (or its absence) is its result. SyncBNWarnings are recorded per
+cell (a warning names the layer, whose scope is the cell's). Where a
+harness builds its towers in threads, the cells are split into graphs that
+each hold one patch of a family (:func:`_partition`).
+
+A ``tf.estimator`` harness builds and runs its graph itself
+(:func:`_run_estimator`); everything else is the same.
 
 Results are keyed as ``parity_harness`` keys its arrays (``y/0``, ``dx/0``,
 ``grad/0/<variable>``; plus ``var/``, ``saved/`` and ``restored/`` for the
