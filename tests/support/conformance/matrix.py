@@ -196,6 +196,7 @@ REGRESSIONS = (
     ('sync_batch_norm', 'tower_context', 'groups=[[0],[1,2,3]]'),     # one-tower groups
     ('layers.batch_normalization', 'tower_loop', 'groups=[[0,2,3],[1]]'),
     ('sync_batch_norm', 'unnamed_loop', 'group_size=2'),              # the fix the message names
+    ('BatchRenorm', 'tower_context', 'sync=None'),     # per tower: reads before the update
 )
 
 
