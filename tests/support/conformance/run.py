@@ -80,6 +80,15 @@ def _culprits(error, cells):
     return [cell for cell in cells if scope_of(cell.id) + '/' in message]
 
 
+class _Failed(Exception):
+    """Cells that raised while one tower was built: ``errors`` maps each to its exception."""
+
+    def __init__(self, errors):
+        super(_Failed, self).__init__('; '.join('%s: %s' % (cell, e) for cell, e in errors.items()))
+        self.errors = errors
+        self.conformance_cells = list(errors)
+
+
 def _tag(error, cell):
     error.conformance_cells = [cell.id]
     return error
@@ -155,8 +164,9 @@ def _run_part(harness_type, cells):
                 break
             culprits = culprits or remaining
             for cell in culprits:
-                results[cell.id] = Result(error=e, warnings=getattr(e, 'conformance_warnings',
-                                                                     []))
+                error = e.errors[cell.id] if isinstance(e, _Failed) else e
+                results[cell.id] = Result(error=error, warnings=getattr(
+                    e, 'conformance_warnings', {}).get(cell.id, []))
             remaining = [cell for cell in remaining if cell not in culprits]
     return results
 
@@ -183,7 +193,7 @@ class _Graph(object):
         """Builds every cell on tower ``index`` and its gradients there."""
         from without_onednn import kernel_set  # noqa: PLC0415
         record = {'cells': {}}
-        terms, xs, params = [], [], []
+        terms, xs, params, failed = [], [], [], {}
         for cell in self.cells:
             inputs = self.inputs[cell.id][index]
             option, front_end = cell.option, cell.front_end
@@ -197,8 +207,9 @@ class _Graph(object):
                     outputs = front_end.build(x, training, option, num_dev,
                                               weights=inputs['weights'],
                                               patched=self.harness.threaded)
-            except Exception as e:  # noqa: BLE001 - tagged with its cell, raised again
-                raise _tag(e, cell)
+            except Exception as e:  # noqa: BLE001 - the cell's error, raised after the tower
+                failed[cell.id] = e
+                continue
             # (Variables of other cells, built by other replicas' threads meanwhile, left out.)
             created = [v for v in created if scope_of(cell.id) in _name(v).split('/')]
             # The variables this tower reads: its own (replicated variables), or
@@ -212,6 +223,10 @@ class _Graph(object):
             xs.append(inputs['x'])
             params.append((cell, names, trainable))
             record['cells'][cell.id] = {'outputs': outputs}
+        if failed:
+            # Every cell that failed in this tower, at once: the graph is built again
+            # without them (_run_part), each with its own error.
+            raise _Failed(failed)
         flat = [v for _, _, variables in params for v in variables]
         grads = tf.gradients(terms, xs + flat)
         grads = [tf.zeros_like(x) if g is None else tf.convert_to_tensor(g)
@@ -366,10 +381,9 @@ def _run_graph(harness_type, cells):
 
 
 def _keep_warnings(error, caught, cells):
-    """Gives a build error of one cell that cell's warnings."""
-    culprits = _culprits(error, cells)
-    if len(culprits) == 1:
-        error.conformance_warnings = _warnings_of(caught, cells)[culprits[0].id]
+    """Gives a build error the warnings of the cells it is about."""
+    found = _warnings_of(caught, cells)
+    error.conformance_warnings = {cell.id: found[cell.id] for cell in _culprits(error, cells)}
 
 
 def _name_culprits(error, cells):
