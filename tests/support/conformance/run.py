@@ -89,6 +89,14 @@ class _Failed(Exception):
         self.conformance_cells = list(errors)
 
 
+def _detached(error):
+    """``error`` without what keeps its graph alive (its traceback's frames, its op)."""
+    error.__traceback__ = error.__context__ = error.__cause__ = None
+    if isinstance(error, tf.errors.OpError):
+        error._op = None  # noqa: SLF001 - the failed node, and through it its whole graph
+    return error
+
+
 def _tag(error, cell):
     error.conformance_cells = [cell.id]
     return error
@@ -165,7 +173,7 @@ def _run_part(harness_type, cells):
             culprits = culprits or remaining
             for cell in culprits:
                 error = e.errors[cell.id] if isinstance(e, _Failed) else e
-                results[cell.id] = Result(error=error, warnings=getattr(
+                results[cell.id] = Result(error=_detached(error), warnings=getattr(
                     e, 'conformance_warnings', {}).get(cell.id, []))
             remaining = [cell for cell in remaining if cell not in culprits]
     return results
@@ -319,7 +327,7 @@ def _build_alone(harness_type, cell):
                 _build(harness, [cell])
             error = None
         except Exception as e:  # noqa: BLE001 - the refusal is the result
-            error = e
+            error = _detached(e)
     return Result(error=error, warnings=_warnings_of(caught, [cell])[cell.id])
 
 
