@@ -14,12 +14,19 @@ Each tower reduces its batch around a shift taken from its own data (its
 first element along the reduced axes: exact moments for data whose mean is
 far larger than its spread), packs ``[n, n*mu, M2 + n*mu^2]`` in float64 and
 all-reduces it once forward (and once backward: the gradient reaches every
-tower's input). Empty towers add zeros. The ops are built in a name scope
+tower's input). Empty towers add zeros. Every tower must all-reduce one
+shape: towers whose kept dimensions differ are refused at graph build, or
+fail the step before the all-reduce when the dimensions are not static
+(:func:`tf1_syncbn._sync.member_shapes.checked_dims`). A bool tensor
+``training`` puts the all-reduce in a ``tf.cond``: a run with it False
+computes each tower's own moments, so it may fetch one tower alone. The
+ops are built in a name scope
 ``moments`` (``weighted_moments``), as ``tf.nn``'s, where
 :func:`tf1_syncbn.audit_graph` finds them and counts them to the layer of
 the enclosing scope.
 """
 
+import numpy as np
 import tensorflow as tf
 
 from tf1_syncbn._compute import math as _math
@@ -27,8 +34,9 @@ from tf1_syncbn._compute.engine import all_reduce_with_gradient
 from tf1_syncbn._compute.xla import outside_xla_clusters
 from tf1_syncbn._core.options import check_graph_mode, check_options
 from tf1_syncbn._sync.group import find_group
+from tf1_syncbn._sync.member_shapes import RESTART, Messages, checked_dims
 from tf1_syncbn._sync.plan import plan_sync
-from tower.graph_state import full_name_scope, get_graph_state
+from tower.graph_state import full_name_scope
 
 tf1 = tf.compat.v1
 
@@ -39,19 +47,20 @@ _SHAPES_SLOT = 'tf1_syncbn.moments_shapes'
 
 
 @tf.autograph.experimental.do_not_convert     # (see tf1_syncbn._core)
-def moments(x, axes, shift=None, keepdims=None, name=None, keep_dims=None, *,
+def moments(x, axes, shift=None, keepdims=None, name=None, keep_dims=None, *, training=True,
             sync_statistics='auto', num_dev=None, group_size=None):
     """``tf.nn.moments``, with the mean and variance of the global batch over the towers.
 
-    The same arguments and return values as ``tf.nn.moments`` (and
-    ``tf.compat.v1.nn.moments``: ``keep_dims`` is ``keepdims``), plus the
-    layers' ``sync_statistics`` and ``num_dev``. When ``axes`` holds the
-    batch axis 0, the mean and (biased) variance are those of the
-    concatenation of every tower's batch along axis 0, as ``tf.nn.moments``
-    computes them on one device: uneven and empty towers included. Their
-    gradients reach every tower's input (each tower's gradient is built with
-    one all-reduce). Without axis 0 nothing is synchronized: each example's
-    statistics are its own, as on one device.
+    The same arguments and return values as ``tf.nn.moments``, in its (TF2)
+    order ``(x, axes, shift, keepdims, name)``, and ``tf.compat.v1.nn.moments``'
+    keyword ``keep_dims``; plus the layers' ``training``, ``sync_statistics``
+    and ``num_dev``. When ``axes`` holds the batch axis 0, the mean and
+    (biased) variance are those of the concatenation of every tower's batch
+    along axis 0, as ``tf.nn.moments`` computes them on one device: uneven
+    and empty towers included. Their gradients reach every tower's input
+    (each tower's gradient is built with one all-reduce). Without axis 0
+    nothing is synchronized: each example's statistics are its own, as on
+    one device.
 
     The tower and its group are found as the layers find them: a
     :class:`tower.TowerContext` (``call_for_each_tower``), tensorpack's
@@ -68,10 +77,16 @@ def moments(x, axes, shift=None, keepdims=None, name=None, keep_dims=None, *,
       axes: the axes to reduce (ints, negative from the end).
       shift: not used, as in ``tf.nn.moments`` (each tower shifts its data by
         a value of its own batch).
-      keepdims: keep the reduced axes with length 1 (``keep_dims``: the
-        same, TF1's name).
+      keepdims: keep the reduced axes with length 1 (a bool or None).
       name: the name scope of the ops (default ``'moments'``). The audit
         recognizes the default, ``'moments'`` and ``'moments_<n>'``.
+      keep_dims: TF1's name of ``keepdims`` (keyword only in practice:
+        ``tf.compat.v1.nn.moments``' positional order differs).
+      training: True (default): the statistics of the global batch; False:
+        this tower's own (``tf.nn.moments``, no all-reduce); a scalar bool
+        tensor chooses at run time (a ``tf.cond`` around the all-reduce), so
+        that a run with it False (evaluation) may fetch one tower's output
+        alone. Pass the layer's ``is_training`` tensor.
       sync_statistics: ``'auto'`` (default: synchronize over the towers it
         is built in, nothing with one tower), ``'collective'``, ``'nccl'``,
         ``'horovod'``, None (this tower's statistics, ``tf.nn.moments``) or a
@@ -87,35 +102,50 @@ def moments(x, axes, shift=None, keepdims=None, name=None, keep_dims=None, *,
       float32, float64 for float64 inputs, and combined in float64).
 
     Raises:
-      TypeError: a non-float input.
-      ValueError: an unknown rank, an axis out of range, and the layers'
-        errors about towers and backends (naming ``tf1_syncbn.moments(<scope>)``).
+      TypeError: a non-float input; ``keepdims`` / ``keep_dims`` that are not
+        bools or ``name`` that is not a string (TF1's positional order,
+        ``tf.compat.v1.nn.moments(x, axes, shift, name, keep_dims)``: the
+        message says what to pass by keyword); ``training`` that is neither
+        a bool nor a scalar bool tensor.
+      ValueError: ``keepdims`` and ``keep_dims`` that disagree; an unknown
+        rank, an axis out of range; towers whose static non-reduced
+        dimensions differ; and the layers' errors about towers and backends
+        (naming ``tf1_syncbn.moments(<scope>)``).
       RuntimeError: eagerly or inside a ``tf.function``.
+
+    At run time, towers whose non-reduced dimensions differ (not all known
+    statically) fail the step with ``InvalidArgumentError`` naming the call
+    and every tower's dimensions, before the all-reduce.
 
     Hangs: a synchronized call waits in its all-reduce for every tower of its
     group, and its gradient in a second one: every tower must run it in the
-    same ``session.run`` (and build the same gradients through it); the
-    collective backend's timeout turns a missing tower into an error
-    (docs/timeouts.md).
+    same ``session.run`` (and build the same gradients through it); a run
+    that fetches one tower's output alone waits for the others unless
+    ``training`` is False in it. The collective backend's timeout turns a
+    missing tower into an error (docs/timeouts.md).
     """
-    return _sync_moments('moments', x, axes, None, _keepdims(keepdims, keep_dims), name,
+    keepdims = _check_positional('moments', keepdims, name, keep_dims)
+    return _sync_moments('moments', x, axes, None, keepdims, name, training,
                          sync_statistics, num_dev, group_size)
 
 
 @tf.autograph.experimental.do_not_convert     # (see tf1_syncbn._core)
 def weighted_moments(x, axes, frequency_weights, keepdims=None, name=None, keep_dims=None, *,
-                     sync_statistics='auto', num_dev=None, group_size=None):
+                     training=True, sync_statistics='auto', num_dev=None, group_size=None):
     """``tf.nn.weighted_moments``, over the global batch of the towers.
 
     As :func:`moments`, with ``frequency_weights`` (each tower's, broadcastable
     to its ``x``): the weighted mean ``sum(w * x) / sum(w)`` and variance
     ``sum(w * (x - mean)**2) / sum(w)`` of every tower's data together, 0
     where the total weight is 0 (as ``tf.nn.weighted_moments``). Gradients
-    reach every tower's input and weights.
+    reach every tower's input and weights. The order is TF2's,
+    ``(x, axes, frequency_weights, keepdims, name)``; TF1's
+    ``tf.compat.v1.nn.weighted_moments(x, axes, frequency_weights, name,
+    keep_dims)`` is refused as for :func:`moments`.
 
     Args:
-      x, axes, keepdims, name, keep_dims, sync_statistics, num_dev, group_size: as for
-        :func:`moments` (the default name is ``'weighted_moments'``).
+      x, axes, keepdims, name, keep_dims, training, sync_statistics, num_dev, group_size:
+        as for :func:`moments` (the default name is ``'weighted_moments'``).
       frequency_weights: a tensor broadcastable to ``x``.
 
     Returns:
@@ -126,15 +156,52 @@ def weighted_moments(x, axes, frequency_weights, keepdims=None, name=None, keep_
 
     Hangs: as :func:`moments`.
     """
-    return _sync_moments('weighted_moments', x, axes, frequency_weights,
-                         _keepdims(keepdims, keep_dims), name, sync_statistics, num_dev,
-                         group_size)
+    keepdims = _check_positional('weighted_moments', keepdims, name, keep_dims)
+    return _sync_moments('weighted_moments', x, axes, frequency_weights, keepdims, name,
+                         training, sync_statistics, num_dev, group_size)
 
 
-def _keepdims(keepdims, keep_dims):
-    if keepdims is None:
-        return bool(keep_dims)
-    return bool(keepdims)
+#: Each function's positional order: TF2's (``tf.nn``, this module's) and TF1's.
+_ORDERS = {
+    'moments': ('x, axes, shift, keepdims, name', 'x, axes, shift, name, keep_dims'),
+    'weighted_moments': ('x, axes, frequency_weights, keepdims, name',
+                         'x, axes, frequency_weights, name, keep_dims'),
+}
+_BOOLS = (bool, np.bool_)
+
+
+def _check_positional(kind, keepdims, name, keep_dims):
+    """``keepdims`` as a bool, after refusing TF1's positional order.
+
+    ``tf.compat.v1.nn.moments(x, axes, shift, name, keep_dims)`` puts the name
+    where TF2's order has ``keepdims`` and ``keep_dims`` where it has the
+    name: a string ``keepdims`` or a bool ``name`` is that order.
+    """
+    scope = full_name_scope()
+    label = 'tf1_syncbn.%s(%s)' % (kind, '%s/%s' % (scope, kind) if scope else kind)
+    tf2_order, tf1_order = _ORDERS[kind]
+    orders = ('tf1_syncbn.%s takes TF2\'s order, tf.nn.%s(%s), not TF1\'s '
+              'tf.compat.v1.nn.%s(%s)' % (kind, kind, tf2_order, kind, tf1_order))
+    first = tf2_order.rsplit(', keepdims', 1)[0]
+    if keepdims is not None and not isinstance(keepdims, _BOOLS):
+        fix = ('name=%r' % (keepdims,) if isinstance(keepdims, str) else 'name=...') + (
+            '' if name is None else ', keep_dims=%r' % (name,))
+        raise TypeError(
+            '%s: keepdims=%r is not a bool: %s, where the fourth positional argument is the '
+            'name. Pass the name (and keep_dims) by keyword: tf1_syncbn.%s(%s, %s).'
+            % (label, keepdims, orders, kind, first, fix))
+    if keep_dims is not None and not isinstance(keep_dims, _BOOLS):
+        raise TypeError('%s: keep_dims=%r is not a bool (keep_dims is TF1\'s name of keepdims).'
+                        % (label, keep_dims))
+    if name is not None and not isinstance(name, str):
+        raise TypeError(
+            '%s: name=%r is not a string: %s, where the fifth positional argument is '
+            'keep_dims. Pass keep_dims (and the name) by keyword: tf1_syncbn.%s(%s, '
+            'keep_dims=%r, name=...).' % (label, name, orders, kind, first, name))
+    if keepdims is not None and keep_dims is not None and bool(keepdims) != bool(keep_dims):
+        raise ValueError('%s: keepdims=%r and keep_dims=%r disagree (keep_dims is TF1\'s name of '
+                         'keepdims): pass one of them.' % (label, keepdims, keep_dims))
+    return bool(keepdims if keepdims is not None else keep_dims)
 
 
 def _check_axes(label, axes, rank):
@@ -148,12 +215,17 @@ def _check_axes(label, axes, rank):
     return normalized
 
 
-def _sync_moments(kind, x, axes, weights, keepdims, name, sync_statistics, num_dev,
+def _sync_moments(kind, x, axes, weights, keepdims, name, training, sync_statistics, num_dev,
                   group_size=None):
     check_graph_mode('tf1_syncbn.%s' % kind)
     with tf1.name_scope(name, kind, [x] + ([weights] if weights is not None else [])), \
             outside_xla_clusters():
         label = 'tf1_syncbn.%s(%s)' % (kind, full_name_scope() or kind)
+        if isinstance(training, np.bool_):
+            training = bool(training)
+        options = check_options(label, arg_names={'is_training': 'training'},
+                                is_training=training, num_dev=num_dev,
+                                sync_statistics=sync_statistics, group_size=group_size)
         x = tf.convert_to_tensor(x)
         if x.dtype.base_dtype not in _DTYPES:
             raise TypeError('%s: x has dtype %s; moments need a float16, bfloat16, float32 or '
@@ -165,15 +237,12 @@ def _sync_moments(kind, x, axes, weights, keepdims, name, sync_statistics, num_d
                              'with tf.ensure_shape).' % label)
         axes = _check_axes(label, axes, rank)
         plan = None
-        if 0 in axes:
-            options = check_options(label, is_training=True, num_dev=num_dev,
-                                    sync_statistics=sync_statistics, group_size=group_size)
+        if 0 in axes and training is not False:
             # The variable scope names the call for the towers (it creates nothing).
             with tf1.variable_scope(name or kind, auxiliary_name_scope=False):
                 plan = plan_sync(options, find_group(options))
-        kept = [tf.compat.dimension_value(x.shape[a]) for a in range(rank) if a not in axes]
-        if plan is not None:
-            _check_kept_shape(label, plan, kept)
+        kept_axes = [a for a in range(rank) if a not in axes]
+        kept = [tf.compat.dimension_value(x.shape[a]) for a in kept_axes]
         compute = tf.float64 if x.dtype.base_dtype == tf.float64 else tf.float32
         xc = tf.cast(x, compute)
         wc = None if weights is None else tf.cast(weights, compute) + tf.zeros_like(xc)
@@ -182,12 +251,23 @@ def _sync_moments(kind, x, axes, weights, keepdims, name, sync_statistics, num_d
         size = tf.size(shift) if None in kept else _product(kept)
         flat = [tf.reshape(t, [-1]) for t in (count, shift, mean_s, m2)]
         packed = _math.pack_counted_moments(*flat)
-        packed = all_reduce_with_gradient(packed, plan)
+        if plan is not None:
+            def synchronized():
+                with outside_xla_clusters():      # again in a tf.cond branch's graph
+                    checked = checked_dims(plan, _SHAPES_SLOT, packed, kept,
+                                           lambda: tf.gather(tf.shape(x), kept_axes),
+                                           _shape_messages(label, axes), 'kept_shape')
+                    return all_reduce_with_gradient(checked, plan)
+
+            # A tensor `training`: the all-reduce runs only when it is True, so a
+            # run with it False may fetch one tower alone (evaluation).
+            packed = synchronized() if training is True else tf.cond(
+                training, synchronized, lambda: tf.identity(packed), name='training')
         _, mean, variance = _math.unpack_counted_moments(packed, size)
         if keepdims:
             out_shape = reduced_shape
         else:
-            out_shape = tf.gather(tf.shape(x), [a for a in range(rank) if a not in axes])
+            out_shape = tf.gather(tf.shape(x), kept_axes)
         static = [1 if a in axes else tf.compat.dimension_value(x.shape[a]) for a in range(rank)]
         static = static if keepdims else kept
         outs = []
@@ -229,17 +309,31 @@ def _local(x, axes, weights):
     return count, shift, mean_s, m2
 
 
-def _check_kept_shape(label, plan, kept):
-    """Every member all-reduces the same shape: their static kept dimensions must agree."""
-    table = get_graph_state().slot(_SHAPES_SLOT, dict)
-    first_tower, first_kept = table.setdefault(plan.key.name, (plan.tower, kept))
-    if first_tower == plan.tower:
-        return
-    if len(first_kept) == len(kept) and all(
-            a is None or b is None or a == b for a, b in zip(first_kept, kept)):
-        return
-    raise ValueError(
-        '%s: the towers reduce inputs whose kept dimensions differ: %s in tower %d, %s in tower '
-        '%d. The statistics of the global batch need the same non-batch dimensions in every '
-        'tower (the towers split the batch axis 0 only).'
-        % (label, first_kept, first_tower, kept, plan.tower))
+def _shape_messages(label, axes):
+    """The messages of :func:`~tf1_syncbn._sync.member_shapes.checked_dims` for the kept dimensions.
+
+    Every member all-reduces one statistic per kept position: the towers'
+    dimensions outside ``axes`` must agree.
+    """
+    what = ('%s: the towers reduce inputs whose kept dimensions (those not in axes=%s) differ'
+            % (label, axes))
+    fix = ('The statistics of the global batch need the same dimensions in every tower except '
+           'the batch axis 0, which the towers split: give every tower inputs of one shape '
+           'apart from axis 0, or pass sync_statistics=None for each tower\'s own moments.')
+
+    def refuse(first_tower, first_static, tower, static):
+        return ValueError('%s: %s in tower %d, %s in tower %d. %s'
+                          % (what, first_static, first_tower, static, tower, fix))
+
+    def local(first_tower, first_static, tower, dims):
+        return ['%s: tower %d has %s (static) and tower %d has:'
+                % (what, first_tower, first_static, tower), dims,
+                '%s %s' % (fix, RESTART % 'shapes')]
+
+    def reduced(listed, row, per_member):
+        data = ['%s in this step; their kept dimensions, %s:' % (what, listed)]
+        for member, dims in enumerate(tf.unstack(tf.cast(per_member, tf.int64))):
+            data += ['%s %d:' % (row, member), dims]
+        return data + ['%s %s' % (fix, RESTART % 'shapes')]
+
+    return Messages(refuse, local, reduced)

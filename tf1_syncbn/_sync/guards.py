@@ -57,9 +57,12 @@ TIMEOUT_MESSAGE = (
     'tf1_syncbn: this step ran more than %g s on this host while a collective of it still '
     'waited (the collective timeout: CollectiveBackend(timeout=...), TF1_SYNCBN_TIMEOUT, or the '
     'cluster\'s collective_timeout). Some tower or worker did not reach a synchronized layer in '
-    'this step: a tf.cond that skipped one in some tower, update ops run without the forward '
-    'pass of every tower, or a lost, frozen or paused worker. The collectives of this session '
-    'are aborted: open a new session.')
+    'this step: a run that fetches some towers\' synchronized ops but not the others\' (e.g. '
+    'one tower\'s output of a training graph, for evaluation: switch the layers with an '
+    'is_training tensor and feed it False, tf1_syncbn.moments(..., training=is_training) in '
+    'a hand-written batch norm, or fetch every tower), a tf.cond that skipped one in some '
+    'tower, update ops run without the forward pass of every tower, or a lost, frozen or '
+    'paused worker. The collectives of this session are aborted: open a new session.')
 
 
 def host_cpu(device):
