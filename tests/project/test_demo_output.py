@@ -20,7 +20,8 @@ import forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, 'examples')
-ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2',
+# As test_readme.py's: one zygote (one TensorFlow import) serves both.
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3',
            PYTHONPATH=os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]))
 
 
