@@ -502,16 +502,35 @@ def test_the_demo_prints_the_audit_of_both_training_graphs(capsys):
     cluster = setup_cluster(towers=2)
     layers = ['conv1/BatchNorm', 'conv2/BatchNorm', 'conv3/BatchNorm', 'fc1/BatchNorm']
     for name, spec in (('sync', demo.sync_spec('auto', cluster)), ('per_tower', None)):
-        report = demo.print_audit(name, demo.build_training_graph(args, spec, cluster))
+        net = demo.build_training_graph(args, spec, cluster)
+        report = demo.print_audit(name, net)
         printed = capsys.readouterr().out
-        assert str(report) in printed and printed.startswith(name + ': batch-norm audit')
+        assert printed.startswith(name + ': batch-norm audit')
         assert [l.name for l in report.layers] == layers
         # The held-out path (name scope eval/, moving statistics) is found as inference.
         assert {l.towers_summary() for l in report.layers} == {
             'tower0, tower1; infer: (no tower)'}
         assert kinds(report) == ([] if name == 'sync' else per_tower(*layers))
-        # The comparison run's problems are said to be expected; the sync run's report is clean.
-        assert ('these problems are expected' in printed) == (name == 'per_tower')
+        if name == 'sync':
+            assert str(report) in printed
+            continue
+        # The comparison run normalizes per tower on purpose: the table shows it, and the
+        # verdict says it is intended, not FAILED (before: "FAILED: 4 problems.").
+        table = str(report).split('\nPROBLEMS')[0]
+        assert table in printed and 'no (per tower)' in table
+        assert printed.endswith('per-tower run: 4 layers unsynchronized, as intended for the '
+                                'comparison; nothing else found.\n'), printed
+        assert 'FAILED' not in printed and 'PROBLEMS' not in printed
+        # A real problem of that run still fails: here its updates do not run with the
+        # step's op (the loss), which the audit finds for each layer.
+        broken = demo.print_audit(name, dict(net, train_op=net['loss']))
+        printed = capsys.readouterr().out
+        assert sorted(kinds(broken)) == sorted(per_tower(*layers) + [
+            (l, 'not_run') for l in layers])
+        not_run = [p for p in broken.problems if 'do not run when the train op runs' in p]
+        assert 'PROBLEMS (4):\n' in printed and all(p in printed for p in not_run)
+        assert printed.endswith('per-tower run: 4 layers unsynchronized, as intended for the '
+                                'comparison.\nFAILED: 4 problems.\n'), printed
 
 
 def test_the_selftest_audits_its_graph_and_fails_on_a_problem(monkeypatch, capsys):
