@@ -44,13 +44,6 @@ PAGES = {
     'tf1_syncbn.moments': 'docs/hand-written.md',
     'tf1_syncbn.weighted_moments': 'docs/hand-written.md',
 }
-#: Pages that other work of issue 42 is rewriting, without a signature block yet: their
-#: cases are expected to fail (strictly: once the block is right they fail, to be removed).
-PENDING = {
-    'docs/hand-written.md': "rewritten for issue 42 (moments: TF1's positional order, a "
-                            "`training` argument); add its signature block as this test's "
-                            'message says, and remove the page from PENDING',
-}
 MARKER = '# Fragment: the signatures'
 _BLOCK = re.compile(r'^```python\n(.*?)^```', re.S | re.M)
 _KINDS = {inspect.Parameter.POSITIONAL_ONLY: 'positional-only',
@@ -174,10 +167,7 @@ def test_every_front_end_has_a_page():
 
 
 @pytest.mark.once
-@pytest.mark.parametrize('name', [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=PENDING[PAGES[name]]))
-    if PAGES[name] in PENDING else name for name in sorted(PAGES)],
-    ids=lambda n: n.replace('tf1_syncbn.', ''))
+@pytest.mark.parametrize('name', sorted(PAGES), ids=lambda n: n.replace('tf1_syncbn.', ''))
 def test_the_page_gives_the_signature_the_code_has(name):
     page, attr = PAGES[name], name.rpartition('.')[2]
     found = documented_signatures(page)
