@@ -275,7 +275,13 @@ class BatchNormalization(_Synchronized, KERAS_BATCH_NORMALIZATION):
         behaviour) or a :class:`tf1_syncbn.SyncBackend`.
       num_dev: the number of towers, for towers built as ``tower_<i>`` /
         ``clone_<i>`` name scopes without a tower context.
-      group_size: sync groups, as for :func:`tf1_syncbn.sync_batch_norm`.
+      group_size: sync groups, as for :func:`tf1_syncbn.sync_batch_norm`. Under
+        a ``tf.distribute`` strategy the moving statistics then follow
+        replica 0's group: they are tf-keras' on-read variables with
+        ``ONLY_FIRST_REPLICA`` instead of ``MEAN`` aggregation (a read, a
+        ``Saver``, ``save_weights`` and ``get_weights`` take replica 0's copy,
+        a restore sets every copy; until then each replica's copy holds its
+        own group's statistics).
       **kwargs: tf-keras' others: ``renorm``, ``renorm_clipping``,
         ``renorm_momentum``, ``fused``, ``trainable``, ``virtual_batch_size``,
         ``adjustment``, ``name``, ``dtype`` (a mixed-precision policy
