@@ -16,7 +16,7 @@ from tf1_syncbn._core.axes import adjustment_in_view, from_view, needs_view, pla
 from tf1_syncbn._core.call import batch_norm
 from tf1_syncbn._core.keras2 import ghost_batches_in_training
 from tf1_syncbn.keras.rules import (check_keras_graph, in_keras_model_build, is_model_graph_call,
-                                    keras_channel_axes, training_value)
+                                    keras_channel_axes, statistics_aggregation, training_value)
 from tf1_syncbn._core.options import check_inputs, check_options
 from tf1_syncbn._core.variables import Params, RenormVariables
 
@@ -84,6 +84,22 @@ class _Synchronized(object):
 
     def _layer_label(self):
         return '%s(%s)' % (type(self).__name__, self.name)
+
+    def add_weight(self, *args, **kwargs):
+        """tf-keras' ``add_weight``; with sync groups, the moving statistics read replica 0's copy.
+
+        Under a ``tf.distribute`` strategy, a layer with ``group_size`` (and
+        ``sync_statistics`` not None) creates its moving statistics with
+        ``ONLY_FIRST_REPLICA`` aggregation instead of tf-keras' ``MEAN``, so
+        that reading them, a ``Saver`` and ``save_weights`` give global tower
+        0's group's statistics, not the mean of the groups'
+        (:func:`~tf1_syncbn.keras.rules.statistics_aggregation`).
+        """
+        if 'aggregation' in kwargs:
+            kwargs['aggregation'] = statistics_aggregation(
+                kwargs['aggregation'], kwargs.get('synchronization'),
+                getattr(self, 'group_size', None), getattr(self, 'sync_statistics', 'auto'))
+        return super().add_weight(*args, **kwargs)
 
     @tf.autograph.experimental.do_not_convert
     def call(self, inputs, training=None, mask=None):
@@ -259,7 +275,13 @@ class BatchNormalization(_Synchronized, KERAS_BATCH_NORMALIZATION):
         behaviour) or a :class:`tf1_syncbn.SyncBackend`.
       num_dev: the number of towers, for towers built as ``tower_<i>`` /
         ``clone_<i>`` name scopes without a tower context.
-      group_size: sync groups, as for :func:`tf1_syncbn.sync_batch_norm`.
+      group_size: sync groups, as for :func:`tf1_syncbn.sync_batch_norm`. Under
+        a ``tf.distribute`` strategy the moving statistics then follow
+        replica 0's group: they are tf-keras' on-read variables with
+        ``ONLY_FIRST_REPLICA`` instead of ``MEAN`` aggregation (a read, a
+        ``Saver``, ``save_weights`` and ``get_weights`` take replica 0's copy,
+        a restore sets every copy; until then each replica's copy holds its
+        own group's statistics).
       **kwargs: tf-keras' others: ``renorm``, ``renorm_clipping``,
         ``renorm_momentum``, ``fused``, ``trainable``, ``virtual_batch_size``,
         ``adjustment``, ``name``, ``dtype`` (a mixed-precision policy

@@ -2,7 +2,9 @@
 
 What tf-keras' ``BatchNormalizationBase.call`` decides before it computes
 anything, in small pure functions: which value ``training`` has, which axes
-hold the channels, whether the call builds the model's own one-device graph.
+hold the channels, whether the call builds the model's own one-device graph;
+and how its ``build`` aggregates the moving statistics under a
+``tf.distribute`` strategy when the layer has sync groups.
 (Whether the batch is split into ghost batches is tf.layers' rule, the same
 code: :func:`tf1_syncbn._core.keras2.ghost_batches_in_training`.) Nothing here imports
 tf-keras: the layer passes in what it read from tf-keras.
@@ -13,7 +15,8 @@ import os
 
 import tensorflow as tf
 
-__all__ = ['training_value', 'keras_channel_axes', 'is_model_graph_call', 'check_keras_graph']
+__all__ = ['training_value', 'keras_channel_axes', 'is_model_graph_call', 'check_keras_graph',
+           'statistics_aggregation']
 
 tf1 = tf.compat.v1
 
@@ -194,3 +197,39 @@ def check_keras_graph(layer):
             'tf.compat.v1.disable_eager_execution(); in TF2 code use '
             'tf.keras.layers.BatchNormalization(synchronized=True) under a tf.distribute '
             'strategy.' % layer)
+
+
+def statistics_aggregation(aggregation, synchronization, group_size, sync_statistics):
+    """The aggregation of a weight tf-keras' ``build`` adds: its own, but replica 0's with groups.
+
+    tf-keras creates the moving statistics (``moving_mean``,
+    ``moving_variance``; with renorm ``moving_stddev``, ``renorm_mean``,
+    ``renorm_stddev``) as on-read variables (``ON_READ``) with ``MEAN``
+    aggregation: under a ``tf.distribute`` strategy each replica updates its
+    own copy, and reading the variable across replicas, a ``Saver``,
+    ``save_weights`` and ``get_weights`` take the mean of the copies; a
+    restore sets every copy. Without sync groups every replica updates its
+    copy with the same statistics (the global batch's, or tf-keras' own
+    per-replica ones with ``sync_statistics=None``), and that stays as it is.
+    With ``group_size`` each replica's copy follows its own group, and the
+    mean of the groups is no group's statistics: such a layer's moving
+    statistics get ``ONLY_FIRST_REPLICA`` instead, which reads replica 0's
+    copy, so what is read and saved is global tower 0's group's
+    (docs/sync-groups.md). Outside a strategy the aggregation changes
+    nothing; the names, checkpoint keys and values are tf-keras'.
+
+    Args:
+      aggregation: what tf-keras passes to ``add_weight``.
+      synchronization: likewise.
+      group_size: the layer's ``group_size`` (None: no groups).
+      sync_statistics: the layer's ``sync_statistics`` (None: per-replica
+        statistics, where ``group_size`` has no effect).
+
+    Returns:
+      A ``tf.VariableAggregation``.
+    """
+    if group_size is None or sync_statistics is None or \
+            synchronization != tf.VariableSynchronization.ON_READ or \
+            aggregation != tf.VariableAggregation.MEAN:
+        return aggregation
+    return tf.VariableAggregation.ONLY_FIRST_REPLICA
