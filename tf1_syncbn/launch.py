@@ -25,9 +25,31 @@ still alive gets SIGTERM and, ``--kill-after`` seconds later (default 5),
 SIGKILL. SIGINT, SIGTERM or
 SIGHUP to the launcher stop every worker the same way. On Linux each worker
 also gets SIGKILL if the launcher itself dies (``PR_SET_PDEATHSIG``). The exit
-status is 0 when every worker exited with 0, else the first failure's status
+status is 0 when every worker exited with 0, else the root cause's status
 (128 + signal number for a signal; 124 when ``--timeout`` seconds, which
 bound the whole job, expired). ``--gpus-per-worker K`` is described above.
+
+The root cause is the worker that failed *first*, by the time it ended, not
+the first the launcher notices: when one worker dies, its peers fail on their
+own within seconds, and a launcher that looks late (a busy machine, a
+launcher paused by SIGSTOP) finds several ended at once. So each worker runs
+under a tiny supervisor process (this file, ``--supervise-worker``, see
+:func:`supervise`): it starts the worker in a session of its own, waits for
+it, and writes its pid, then its exit status and the ``time.time()`` at which
+it ended, to a pipe the launcher reads. Being a process of its own, it
+records the time even while the launcher is paused, and it is the worker's
+parent, so it records a SIGKILL too (the worker itself could not). The
+launcher names the root cause (``worker 1 killed by SIGKILL; the others get
+30 s ...``) and each other worker that then failed on its own as a
+consequence (``worker 0 exited with status 1, 0.84 s after worker 1 was
+killed by SIGKILL``); a worker it stopped itself is ``stopped by the
+launcher``. Before naming a root cause it waits (up to
+:data:`REPORT_TIMEOUT` s) for the report of every worker that has ended
+but whose supervisor has not written yet. The logged pid, :attr:`Launcher.pids`
+and the process group the launcher signals are the worker's; the
+supervisor ignores SIGTERM, SIGINT and SIGHUP (the launcher signals the
+worker's process group, not the supervisor), dies with the launcher, and
+takes the worker with it (``PR_SET_PDEATHSIG`` again).
 
 With ``--max-restarts N`` (default 0), a failed worker makes the launcher
 stop the others as above and then start every worker again, up to ``N``
@@ -50,6 +72,7 @@ import argparse
 import ctypes
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -58,15 +81,25 @@ import threading
 import time
 
 if __package__:
-    from tf1_syncbn.restarts import RestartLoop, describe_exit, exit_status, restart_env
+    from tf1_syncbn.restarts import (RestartLoop, WorkerExit, describe_exit, exit_status,
+                                     first_failure, restart_env)
 else:   # python path/to/launch.py: the module next to this file, without the package
-    from restarts import RestartLoop, describe_exit, exit_status, restart_env
+    from restarts import (RestartLoop, WorkerExit, describe_exit, exit_status, first_failure,
+                          restart_env)
 
-__all__ = ['Launcher', 'launch', 'free_ports', 'tf_config', 'gpu_assignment', 'main']
+__all__ = ['Launcher', 'launch', 'free_ports', 'tf_config', 'gpu_assignment', 'main',
+           'supervise']
 
 DEFAULT_GRACE = 30.0
 DEFAULT_KILL_AFTER = 5.0
 EXIT_TIMEOUT = 124
+#: ``python launch.py --supervise-worker FD -- command...``: the per-worker supervisor.
+SUPERVISE = '--supervise-worker'
+#: Seconds a supervisor gets to start its worker and report the worker's pid.
+SUPERVISOR_START_TIMEOUT = 60.0
+#: Seconds the launcher waits for the report of a worker that has ended.
+REPORT_TIMEOUT = 5.0
+_THIS_FILE = os.path.abspath(__file__)
 
 
 def free_ports(n, host='localhost'):
@@ -135,6 +168,79 @@ def _die_with_parent(parent):
     return set_pdeathsig
 
 
+def _ignore(signum, frame):
+    del signum, frame
+
+
+def _write_line(fd, text):
+    os.write(fd, (text.replace('\n', ' ') + '\n').encode('utf-8', 'replace'))
+
+
+def supervise(report_fd, argv):
+    """Runs one worker and reports how and when it ended (the launcher's per-worker supervisor).
+
+    The launcher starts ``python -E -S launch.py --supervise-worker FD --
+    command...`` per worker (see the module docstring). This starts
+    ``command`` in a session of its own (so that its process group holds the
+    worker and what it starts), then writes to file descriptor ``report_fd``,
+    one line each: ``pid <the worker's pid>`` (or ``error <errno> <message>``
+    when it cannot be started), and, once the worker has ended, ``exit
+    <Popen.returncode> <time.time() when it ended>``. The time is taken
+    before the worker is reaped, so a worker whose pid is gone (not even a
+    zombie) has its time recorded. SIGTERM, SIGINT and
+    SIGHUP are ignored here (the worker gets the launcher's signals through
+    its process group); on Linux the worker gets SIGKILL if this process dies.
+
+    Args:
+      report_fd: a file descriptor the launcher reads (a pipe).
+      argv: the worker's command.
+
+    Returns:
+      The worker's exit status (128 + the signal number for a signal), 127
+      when it could not be started.
+
+    Hangs: as long as the worker runs.
+    """
+    os.set_inheritable(report_fd, False)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, _ignore)     # reset to the default in the worker by exec
+    preexec = _die_with_parent(os.getpid()) if sys.platform.startswith('linux') else None
+    try:
+        worker = subprocess.Popen(argv, start_new_session=True, preexec_fn=preexec)
+    except Exception as e:      # noqa: BLE001 - reported to the launcher, which raises it
+        _write_line(report_fd, 'error %d %s' % (getattr(e, 'errno', None) or 0,
+                                                getattr(e, 'strerror', None) or
+                                                '%s: %s' % (type(e).__name__, e)))
+        return 127
+    _write_line(report_fd, 'pid %d' % worker.pid)
+    if hasattr(os, 'waitid'):
+        # The time first, then reap: a worker whose pid is gone has its time recorded.
+        os.waitid(os.P_PID, worker.pid, os.WEXITED | os.WNOWAIT)
+    ended = time.time()
+    code = worker.wait()
+    _write_line(report_fd, 'exit %d %r' % (code, ended))
+    return exit_status(code)
+
+
+def _killpg(pgid, sig):
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _ended(pid):
+    """Whether process ``pid`` has ended: gone, or a zombie not reaped yet (Linux; False
+    elsewhere, where only the supervisor's report tells)."""
+    if not sys.platform.startswith('linux'):
+        return False
+    try:
+        with open('/proc/%d/stat' % pid) as f:
+            return f.read().rsplit(')', 1)[-1].split()[0] in ('Z', 'X')
+    except (OSError, IndexError):
+        return True         # reaped
+
+
 class Launcher(object):
     """Runs ``argv`` as ``num_workers`` local workers (see the module docstring).
 
@@ -163,9 +269,18 @@ class Launcher(object):
       times: per worker, the ``time.time()`` at which each line arrived.
       exit_codes: per started worker (in the order of ``tasks``), its
         ``returncode`` once it exited.
-      failed: ``(worker, returncode)`` of the first failure, or None.
+      exits: per started worker (in the order of ``tasks``), its
+        :class:`~tf1_syncbn.restarts.WorkerExit` once it exited (how, when,
+        whether the launcher had stopped it; its last line once :meth:`wait`
+        returned), else None.
+      failed: ``(worker, returncode)`` of the root cause: of the workers that
+        failed on their own (not stopped by the launcher), the first to end
+        (:func:`~tf1_syncbn.restarts.first_failure` of ``exits``); None when
+        none failed.
       stopped: ``(reason, exit status)`` when :meth:`wait` stopped the workers
         (:meth:`request_stop`, or its timeout), else None.
+      procs: the ``Popen`` of each worker's supervisor (in the order of
+        ``tasks``); ``poll()`` is None while the worker runs.
     """
 
     def __init__(self, argv, num_workers, env=None, cwd=None, grace=DEFAULT_GRACE,
@@ -201,17 +316,23 @@ class Launcher(object):
         self.lines = [[] for _ in range(num_workers)]
         self.times = [[] for _ in range(num_workers)]
         self.exit_codes = [None] * len(self.tasks)
+        self.exits = [None] * len(self.tasks)
         self.failed = None
         self.stopped = None
         self.on_line = on_line
         self._lock = threading.Lock()
         self._readers = []
         self._stop_reason = None
+        self._worker_pids = []
+        self._reports = []          # per worker: the read end of its supervisor's report pipe
+        self._reported = []         # per worker: what was read from it so far
+        self._stop_sent = [None] * len(self.tasks)
+        self._started = None
 
     @property
     def pids(self):
-        """The process ids, in the order of ``tasks``."""
-        return [p.pid for p in self.procs]
+        """The workers' process ids (each its process group's too), in the order of ``tasks``."""
+        return list(self._worker_pids)
 
     def say(self, text):
         self._emit('[launcher] %s' % text)
@@ -223,24 +344,85 @@ class Launcher(object):
                 self.output.flush()
 
     def start(self):
-        """Starts every worker; returns self."""
+        """Starts every worker, each under its supervisor; returns self.
+
+        Raises:
+          OSError: the command cannot be run (as ``subprocess.Popen`` raises
+            it: ``FileNotFoundError``, ...); no worker is left running.
+          RuntimeError: a supervisor did not report its worker's pid within
+            :data:`SUPERVISOR_START_TIMEOUT` s, or ended before.
+
+        Hangs: up to :data:`SUPERVISOR_START_TIMEOUT` s.
+        """
         parent = os.getpid()
-        for i in self.tasks:
-            env = dict(self.env, TF_CONFIG=tf_config(self.addresses, i), PYTHONUNBUFFERED='1')
-            if self.gpus is not None:
-                env['CUDA_VISIBLE_DEVICES'] = self.gpus[i]
-            preexec = _die_with_parent(parent) if sys.platform.startswith('linux') else None
-            proc = subprocess.Popen(self.argv, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    start_new_session=True, preexec_fn=preexec)
-            self.procs.append(proc)
-            reader = threading.Thread(target=self._relay, args=(i, proc), daemon=True)
-            reader.start()
-            self._readers.append(reader)
-            self.say('worker %d: pid %d, %s%s' % (
-                i, proc.pid, self.addresses[i],
-                ', CUDA_VISIBLE_DEVICES=%s' % self.gpus[i] if self.gpus is not None else ''))
+        self._started = time.time()
+        try:
+            for i in self.tasks:        # every supervisor starts, then each reports its pid
+                env = dict(self.env, TF_CONFIG=tf_config(self.addresses, i),
+                           PYTHONUNBUFFERED='1')
+                if self.gpus is not None:
+                    env['CUDA_VISIBLE_DEVICES'] = self.gpus[i]
+                self._start_supervisor(i, env, parent)
+            for k, i in enumerate(self.tasks):
+                self._worker_pids.append(self._read_pid(k))
+                self.say('worker %d: pid %d, %s%s' % (
+                    i, self._worker_pids[-1], self.addresses[i],
+                    ', CUDA_VISIBLE_DEVICES=%s' % self.gpus[i] if self.gpus is not None else ''))
+        except BaseException:
+            for pid in self._worker_pids:
+                _killpg(pid, signal.SIGKILL)
+            for proc, report in zip(self.procs, self._reports):
+                _killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                os.close(report)
+            raise
         return self
+
+    def _start_supervisor(self, i, env, parent):
+        preexec = _die_with_parent(parent) if sys.platform.startswith('linux') else None
+        report, write_end = os.pipe()
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, '-E', '-S', _THIS_FILE, SUPERVISE, str(write_end), '--'] +
+                self.argv, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=preexec, pass_fds=(write_end,))
+        except BaseException:
+            os.close(report)
+            raise
+        finally:
+            os.close(write_end)
+        self.procs.append(proc)
+        self._reports.append(report)
+        self._reported.append(b'')
+        reader = threading.Thread(target=self._relay, args=(i, proc), daemon=True)
+        reader.start()
+        self._readers.append(reader)
+
+    def _read_pid(self, k):
+        """The pid that the ``k``-th started worker's supervisor reported (:func:`supervise`)."""
+        report, i = self._reports[k], self.tasks[k]
+        deadline = self._started + SUPERVISOR_START_TIMEOUT
+        while b'\n' not in self._reported[k]:
+            left = deadline - time.time()
+            if left <= 0 or not select.select([report], [], [], left)[0]:
+                raise RuntimeError('Launcher: the supervisor of worker %d did not start it within '
+                                   '%g s.' % (i, SUPERVISOR_START_TIMEOUT))
+            chunk = os.read(report, 4096)
+            if not chunk:
+                break
+            self._reported[k] += chunk
+        words = self._reported[k].split(b'\n', 1)[0].decode('utf-8', 'replace').split(' ', 2)
+        if words[0] == 'pid':
+            return int(words[1])
+        if words[0] == 'error' and len(words) == 3:
+            if int(words[1]):
+                raise OSError(int(words[1]), words[2], self.argv[0])
+            raise RuntimeError('Launcher: cannot start worker %d (%r): %s'
+                               % (i, self.argv, words[2]))
+        raise RuntimeError('Launcher: the supervisor of worker %d ended (%s) before it started '
+                           'the worker; its output is above.'
+                           % (i, describe_exit(self.procs[k].wait())))
 
     def _relay(self, i, proc):
         for raw in iter(proc.stdout.readline, b''):
@@ -257,30 +439,90 @@ class Launcher(object):
         self._stop_reason = reason
 
     def _poll(self):
+        """Records the workers that ended since the last call, logs them; True when all have."""
+        seen = time.time()
+        new = [k for k, proc in enumerate(self.procs)
+               if self.exits[k] is None and proc.poll() is not None]
+        for k in new:
+            self._record(k, seen)
+        if any(self.exits[k].failed for k in new):
+            new += self._settle()
+        if new:
+            self._announce(new)
+        return all(e is not None for e in self.exits)
+
+    def _record(self, k, seen):
+        """Records the ``k``-th worker's :class:`WorkerExit` from its supervisor's report (the
+        supervisor has ended: its pipe holds the rest); ``seen``: when the launcher noticed."""
+        report = self._reports[k]
+        os.set_blocking(report, False)
+        try:
+            while True:
+                chunk = os.read(report, 4096)
+                if not chunk:
+                    break
+                self._reported[k] += chunk
+        except BlockingIOError:     # a writer left (never, unless killed mid-fork): no more
+            pass
+        os.close(report)
+        code, ended, exact = self.procs[k].returncode, seen, False
+        for line in self._reported[k].decode('utf-8', 'replace').splitlines():
+            words = line.split()
+            if len(words) == 3 and words[0] == 'exit':
+                code, ended, exact = int(words[1]), float(words[2]), True
+        stop = self._stop_sent[k]
+        self.exit_codes[k] = code
+        self.exits[k] = WorkerExit(self.tasks[k], code, ended, exact=exact,
+                                   stopped=stop is not None and ended >= stop)
+
+    def _settle(self):
+        """Records every worker that has ended but whose supervisor has not reported yet."""
+        late = []
         for k, proc in enumerate(self.procs):
-            i = self.tasks[k]
-            if self.exit_codes[k] is None and proc.poll() is not None:
-                code = proc.returncode
-                self.exit_codes[k] = code
-                if code != 0 and self.failed is None:
-                    self.failed = (i, code)
-                    others = [j for j, c in enumerate(self.exit_codes) if c is None]
-                    self.say('worker %d %s%s' % (
-                        i, describe_exit(code),
-                        '; the others get %g s to exit on their own, then they are stopped'
-                        % self.grace if others else ''))
-                elif code == 0:
-                    self.say('worker %d exited with status 0' % i)
-        return all(c is not None for c in self.exit_codes)
+            if self.exits[k] is None and _ended(self._worker_pids[k]):
+                try:
+                    proc.wait(REPORT_TIMEOUT)
+                except subprocess.TimeoutExpired:
+                    continue
+                self._record(k, time.time())
+                late.append(k)
+        return late
+
+    def _announce(self, new):
+        """Logs the workers ``new`` that ended: the root cause first, then consequences."""
+        root = first_failure(self.exits)
+        announced = self.failed
+        if root is not None:
+            self.failed = (root.worker, root.code)
+        for k in sorted(new, key=lambda k: (self.exits[k].ended_at, self.exits[k].worker)):
+            e = self.exits[k]
+            if e.stopped:
+                self.say('worker %d stopped by the launcher (%s)' % (e.worker, e.cause))
+            elif not e.failed:
+                self.say('worker %d exited with status 0' % e.worker)
+            elif e is not root:
+                self.say(e.after(root))
+            elif announced is None:
+                running = any(x is None for x in self.exits)
+                self.say('%s%s' % (e.describe(), '; the others get %g s to exit on their own, '
+                                   'then they are stopped' % self.grace if running else ''))
+            else:       # noticed after a failure that ended later: the root cause after all
+                self.say('%s; it ended %.2f s before worker %d failed, which is then a '
+                         'consequence' % (e.describe(), self.exits[self.tasks.index(
+                             announced[0])].ended_at - e.ended_at, announced[0]))
 
     def _signal_groups(self, sig, only_alive=True):
-        for i, proc in enumerate(self.procs):
-            if only_alive and self.exit_codes[i] is not None:
+        """``sig`` to each worker's process group (alive ones only: marked stopped, but
+        for SIGCONT, which also goes to the supervisors, in case they were frozen)."""
+        now = time.time()
+        for k, pid in enumerate(self._worker_pids):
+            if only_alive and self.exits[k] is not None:
                 continue
-            try:
-                os.killpg(proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
+            if only_alive and sig != signal.SIGCONT and self._stop_sent[k] is None:
+                self._stop_sent[k] = now
+            _killpg(pid, sig)
+            if sig == signal.SIGCONT:
+                _killpg(self.procs[k].pid, sig)
 
     def stop(self):
         """SIGTERM to every live worker's process group, SIGKILL after ``kill_after`` s."""
@@ -295,7 +537,11 @@ class Launcher(object):
             time.sleep(0.05)
         self._signal_groups(signal.SIGKILL)
         for proc in self.procs:
-            proc.wait()
+            try:
+                proc.wait(max(self.kill_after, 1.0))    # the supervisor reports, then ends
+            except subprocess.TimeoutExpired:
+                _killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         self._poll()
 
     def wait(self, timeout=None):
@@ -326,6 +572,10 @@ class Launcher(object):
         self._signal_groups(signal.SIGKILL, only_alive=False)
         for reader in self._readers:
             reader.join(timeout=5)
+        for e in self.exits:
+            if e is not None:
+                lines = self.lines[e.worker]
+                e.last_line = lines[-1] if lines else None
         if stopped is not None:
             return stopped[1]
         if self.failed is not None:
@@ -424,4 +674,6 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
+    if sys.argv[1:2] == [SUPERVISE] and sys.argv[3:4] == ['--']:
+        sys.exit(supervise(int(sys.argv[2]), sys.argv[4:]))
     sys.exit(main())
