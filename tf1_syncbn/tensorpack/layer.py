@@ -255,7 +255,8 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_MOMENTUM, eps
         :func:`start_finetuning` (ChainerMN's fine-tune mode).
       group_size: None (synchronize every tower), or synchronize within groups
         of that many consecutive global towers, or explicit groups (lists of
-        global tower indices); as for :func:`tf1_syncbn.sync_batch_norm`.
+        global tower indices); as for :func:`tf1_syncbn.sync_batch_norm`. Needs
+        a ``sync_statistics`` other than None.
       **legacy_kwargs: tensorpack's old names (``use_bias``, ``use_scale``,
         ``gamma_init``, ``decay``, ``use_local_stat``).
 

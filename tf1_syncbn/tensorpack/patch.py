@@ -133,8 +133,9 @@ def patch_tensorpack(sync_statistics=None, **defaults):
         patch is active: None (tensorpack's default, per-tower statistics),
         ``'auto'``, ``'collective'``, ``'nccl'``, ``'horovod'`` or a
         :class:`tf1_syncbn.SyncBackend`.
-      **defaults: other default keyword arguments of both layers (for example
-        ``epsilon=1e-5``).
+      **defaults: other default keyword arguments of both layers, for example
+        ``epsilon=1e-5``, or ``group_size=2`` (with a ``sync_statistics``
+        other than None: the layers refuse ``group_size`` with None).
 
     Returns:
       A handle with ``restore()``, usable as a context manager.
