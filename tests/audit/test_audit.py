@@ -24,7 +24,7 @@ import tensorflow as tf
 import audit_cases
 import tf_behavior
 from legacy_reference import run_reference
-from tf1_syncbn import SyncBNWarning, audit_graph, backends, sync_batch_norm
+from tf1_syncbn import audit_graph, backends, sync_batch_norm
 from tf1_syncbn import audit as audit_module
 from tower import TowerContext, average_gradients, call_for_each_tower
 
@@ -154,9 +154,12 @@ def test_one_layer_applied_to_two_inputs_is_a_note_not_a_problem(towers):
 
 @pytest.mark.parametrize('scope', [None, 'gpu_%d'])
 def test_an_unnamed_device_loop_is_flagged(scope):
-    """Towers the layer cannot name (it warns): each copy normalizes alone, never clean."""
-    with pytest.warns(SyncBNWarning, match='used in training by copies on 2 devices'):
-        graph, train_op = audit_cases.device_loop(sync_batch_norm, scope=scope)
+    """Towers the layer cannot name (with 'auto' it refuses to build them; with
+    sync_statistics=None it builds them): each copy normalizes alone, never clean."""
+    with pytest.raises(ValueError, match='used in training by copies on 2 devices'):
+        audit_cases.device_loop(sync_batch_norm, scope=scope)
+    graph, train_op = audit_cases.device_loop(sync_batch_norm, scope=scope,
+                                              bn_params={'sync_statistics': None})
     report = audit_graph(graph, train_op)
     assert kinds(report) == [(n, 'untowered') for n in SMALL_NET], str(report)
     assert {l.sync_summary() for l in report.layers} == {'no (per device)'}

@@ -134,8 +134,11 @@ def patch_tensorpack(sync_statistics=None, **defaults):
         ``'auto'``, ``'collective'``, ``'nccl'``, ``'horovod'`` or a
         :class:`tf1_syncbn.SyncBackend`.
       **defaults: other default keyword arguments of both layers, for example
-        ``epsilon=1e-5``, or ``group_size=2`` (with a ``sync_statistics``
-        other than None: the layers refuse ``group_size`` with None).
+        ``epsilon=1e-5``, ``num_dev=<towers>`` for towers built under
+        ``tower_<i>`` name scopes without a tower context (a plain ``tower_%d``
+        loop; tensorpack's trainers need none), or ``group_size=2`` (with a
+        ``sync_statistics`` other than None: the layers refuse ``group_size``
+        with None).
 
     Returns:
       A handle with ``restore()``, usable as a context manager.
