@@ -22,7 +22,9 @@
 * The layers find their towers in :class:`tower.TowerContext`, tensorpack's
   trainers, ``tower_<i>`` / ``clone_<i>`` name scopes (with ``num_dev``) and
   ``tf.distribute`` strategies (``strategy.run`` in a TF1 graph).
-* :class:`SyncBNWarning`: warned when a layer that could synchronize does not.
+* :class:`SyncBNWarning`: warned when a switch leaves some code unswitched
+  (``patch_keras`` and a Keras it does not patch). A layer that cannot
+  synchronize as asked raises ``ValueError`` at graph build instead.
 * :class:`PatchError`: raised by a patch that cannot make the names users
   call resolve to this library's layer on this TensorFlow/Keras.
 * Backends: :class:`CollectiveBackend`, :class:`NcclBackend`,

@@ -19,12 +19,14 @@ differ only at run time fail naming the call and their shapes.
 
 import functools
 import time
+import warnings
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from bn_reference import bn_backward, bn_forward
+import tf_behavior
 from conftest import make_session
 import tf1_syncbn
 from tf1_syncbn import CollectiveBackend, SyncBNWarning, kernels
@@ -250,7 +252,9 @@ def test_never_a_silent_per_tower_fallback(graph):
     with tf.name_scope('tower_1'), pytest.raises(ValueError, match="sync_statistics='collective"
                                                                    "' asks for synchronized"):
         tf1_syncbn.moments(x, [0], sync_statistics='collective')
-    with tf.name_scope('tower_2'), pytest.warns(SyncBNWarning, match='Pass num_dev'):
+    with tf.name_scope('tower_2'), pytest.raises(
+            ValueError, match=r"moments\(tower_2/moments\): sync_statistics='auto' cannot tell "
+                              r'.*Pass num_dev=<number of towers'):
         tf1_syncbn.moments(x, [0])
     with pytest.raises(TypeError, match='int32'):
         tf1_syncbn.moments(tf1.placeholder(tf.int32, [None, 3]), [0])
@@ -264,6 +268,45 @@ def test_never_a_silent_per_tower_fallback(graph):
             else:
                 with pytest.raises(ValueError, match=r'\[3\] in tower 0, \[4\] in tower 1'):
                     tf1_syncbn.moments(y, [0], num_dev=2)
+
+
+def _device_loop(moments, devices):
+    """The hand-written layer in a loop the call cannot see: ``tf.device``, variables reused."""
+    is_training = tf1.placeholder_with_default(True, [])
+    for i, device in enumerate(devices):
+        with tf.device(device), tf1.variable_scope('', reuse=i > 0):
+            hand_written_bn(tf1.placeholder(tf.float32, [None] + SHAPE), is_training, moments)
+
+
+@pytest.mark.parametrize('kind', tf_behavior.pick(['moments', 'weighted_moments'],
+                                                  ['moments']))
+def test_copies_on_several_devices_outside_any_tower_are_refused(graph, kind):
+    """Before, each device's copy normalized alone, silently (the layers warned at least).
+
+    The copies are the calls under one variable scope (``bn/moments``), which
+    the loop reuses; one device (a layer applied twice), ``num_dev=1`` (one
+    model split across devices), ``sync_statistics=None`` and ``training=False``
+    (each device's own moments, as asked: no all-reduce) stay quiet.
+    """
+    def moments(x, axes, **kwargs):
+        if kind == 'moments':
+            return tf1_syncbn.moments(x, axes, **kwargs)
+        return tf1_syncbn.weighted_moments(x, axes, tf.ones_like(x[:, :1, :1, :1]), **kwargs)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', SyncBNWarning)
+        _device_loop(moments, ['/cpu:0', '/cpu:0'])
+        for kwargs in ({'num_dev': 1}, {'sync_statistics': None}, {'training': False}):
+            with tf.Graph().as_default() as g:
+                _device_loop(functools.partial(moments, **kwargs), ['/cpu:0', '/cpu:1'])
+                assert not [op for op in g.get_operations() if 'Collective' in op.type]
+        with pytest.raises(ValueError, match=(
+                r"tf1_syncbn\.%s\(bn_2/%s\): its calls under the variable scope 'bn/%s' "
+                r"\(one hand-written layer's copies\) are built for training on 2 devices "
+                r'\(/device:CPU:0, /device:CPU:1\).*pass tf1_syncbn\.moments\(\.\.\., '
+                r'num_dev=<number of towers>\).*tower\.TowerContext.*num_dev=1; .*'
+                r'sync_statistics=None\.$' % (kind, kind, kind))):
+            _device_loop(moments, ['/cpu:1'])
 
 
 def test_a_tower_that_never_built_it_fails_the_first_step_at_once(graph):

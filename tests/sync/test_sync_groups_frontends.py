@@ -7,6 +7,7 @@ groups themselves is tests/sync/test_sync_groups.py's.
 """
 
 import importlib
+import re
 
 import numpy as np
 import pytest
@@ -92,11 +93,27 @@ def _moments(x):
     return (x - mean) / tf.sqrt(variance + 1e-3)
 
 
+def _tensorpack_auto(x):
+    from tf1_syncbn.tensorpack import BatchNorm
+    return BatchNorm('bn', x, training=True, epsilon=1e-3, group_size=2, sync_statistics='auto')
+
+
+def _patch_tensorpack_auto(x):
+    import tensorpack
+
+    from tf1_syncbn import patch_tensorpack
+    with patch_tensorpack(sync_statistics='auto', group_size=2, epsilon=1e-3):
+        return tensorpack.models.BatchNorm('bn', x, training=True)
+
+
 FRONT_ENDS = {'sync_batch_norm': _slim, 'sync_arg_scope': _sync_arg_scope,
               'tensorpack.BatchNorm': _tensorpack, 'tensorpack.BatchRenorm': _tensorpack_renorm,
               'patch_tensorpack': _patch_tensorpack, 'layers': _layers,
               'patch_tf_layers': _patch_tf_layers, 'keras': _keras, 'patch_keras': _patch_keras,
-              'moments': _moments}
+              'moments': _moments,
+              # docs/sync-groups.md's switches for tensorpack, whose default is None.
+              'tensorpack.BatchNorm auto': _tensorpack_auto,
+              'patch_tensorpack auto': _patch_tensorpack_auto}
 
 
 @pytest.mark.once
@@ -123,3 +140,48 @@ def test_group_size_reaches_every_front_end(graph, rng, front_end):
                               np.zeros(CHANNELS), 1e-3)['y']
         np.testing.assert_allclose(np.concatenate([got[t] for t in members]), expected,
                                    rtol=1e-4, atol=1e-4, err_msg=front_end)
+
+
+def _without_sync(front_end):
+    """``build(x)``: a front-end with ``group_size=2`` and ``sync_statistics=None``."""
+    import tensorpack
+
+    import tf1_syncbn
+    from tf1_syncbn import keras as sync_keras
+    if front_end == 'tensorpack.BatchNorm':        # its default, tensorpack's: None
+        return lambda x: tf1_syncbn.BatchNorm('bn', x, group_size=2)
+    if front_end == 'tensorpack.BatchRenorm':
+        return lambda x: tf1_syncbn.BatchRenorm('bn', x, 1.0, 0.0, group_size=2)
+
+    def patched(x):
+        with tf1_syncbn.patch_tensorpack(group_size=2):
+            return tensorpack.models.BatchNorm('bn', x)
+    return {
+        'patch_tensorpack': patched,
+        'sync_batch_norm': lambda x: tf1_syncbn.sync_batch_norm(x, group_size=2,
+                                                                sync_statistics=None),
+        'layers': lambda x: tf1_syncbn.layers.batch_normalization(
+            x, training=True, group_size=2, sync_statistics=None),
+        'keras': lambda x: sync_keras.BatchNormalization(group_size=[[0, 1], [2, 3]],
+                                                         sync_statistics=None)(x, training=True),
+        'moments': lambda x: tf1_syncbn.moments(x, [0], group_size=2, sync_statistics=None),
+    }[front_end]
+
+
+@pytest.mark.once
+@pytest.mark.filterwarnings('ignore:patch_keras:UserWarning')
+@pytest.mark.parametrize('front_end', ['tensorpack.BatchNorm', 'tensorpack.BatchRenorm',
+                                       'patch_tensorpack', 'sync_batch_norm', 'layers', 'keras',
+                                       'moments'])
+def test_group_size_with_sync_statistics_none_is_refused(graph, front_end):
+    """Before, tensorpack's default (None) ignored group_size: per-tower statistics, silently
+    (docs/sync-groups.md listed ``patch_tensorpack(group_size=2)`` as a switch)."""
+    build = _without_sync(front_end)
+    spelled = '[[0, 1], [2, 3]]' if front_end == 'keras' else '2'
+    with pytest.raises(ValueError, match=r'group_size=%s synchronizes within groups of towers, '
+                                         r'but sync_statistics=None normalizes each tower '
+                                         r"alone .*Pass sync_statistics='auto' \(or a "
+                                         r'backend\) with group_size, or drop group_size\.$'
+                       % re.escape(spelled)):
+        call_for_each_tower(lambda: build(tf1.placeholder(tf.float32, [None, CHANNELS])),
+                            ['/cpu:%d' % i for i in range(4)])

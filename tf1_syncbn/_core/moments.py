@@ -33,7 +33,7 @@ from tf1_syncbn._compute import math as _math
 from tf1_syncbn._compute.engine import all_reduce_with_gradient
 from tf1_syncbn._compute.xla import outside_xla_clusters
 from tf1_syncbn._core.options import check_graph_mode, check_options
-from tf1_syncbn._sync.group import find_group
+from tf1_syncbn._sync.group import check_untowered_copies, find_group
 from tf1_syncbn._sync.member_shapes import RESTART, Messages, checked_dims
 from tf1_syncbn._sync.plan import plan_sync
 from tower.graph_state import full_name_scope
@@ -66,10 +66,18 @@ def moments(x, axes, shift=None, keepdims=None, name=None, keep_dims=None, *, tr
     :class:`tower.TowerContext` (``call_for_each_tower``), tensorpack's
     towers, a ``tf.distribute`` replica, or a ``tower_<i>`` / ``clone_<i>``
     name scope with ``num_dev``. Outside any tower (one device) it is
-    ``tf.nn.moments``. It never falls back to one tower's statistics
-    silently: ``num_dev`` that disagrees with the towers, or a backend asked
-    for where the number of towers is unknown, raise; ``'auto'`` in a tower
-    name scope without ``num_dev`` warns (:class:`tf1_syncbn.SyncBNWarning`).
+    ``tf.nn.moments``. It never falls back to one tower's statistics, silently
+    or after a warning; at graph build, these raise: ``num_dev`` that
+    disagrees with the towers, a backend asked for where the number of towers
+    is unknown, ``'auto'`` in a tower name scope above ``tower_0`` without
+    ``num_dev``, and the copies of one hand-written layer in a device loop the
+    call cannot see (``tf.device`` with ``tf.variable_scope(..., reuse=i >
+    0)``, no tower name scope, no ``num_dev``). Those copies are the training
+    calls under one variable scope with one name (``bn/moments``: the same in
+    every copy of a layer whose variable scope the loop reuses, while their
+    name scopes differ): the one on a second device raises. ``num_dev=1``
+    says they are one model split across devices on purpose,
+    ``sync_statistics=None`` asks for per-device statistics.
 
     Args:
       x: a float16, bfloat16, float32 or float64 tensor of known rank; axis 0
@@ -239,14 +247,17 @@ def _sync_moments(kind, x, axes, weights, keepdims, name, training, sync_statist
         plan = None
         if 0 in axes and training is not False:
             # The variable scope names the call for the towers (it creates nothing).
-            with tf1.variable_scope(name or kind, auxiliary_name_scope=False):
-                plan = plan_sync(options, find_group(options))
+            with tf1.variable_scope(name or kind, auxiliary_name_scope=False) as scope:
+                group = find_group(options)
+                plan = plan_sync(options, group)
         kept_axes = [a for a in range(rank) if a not in axes]
         kept = [tf.compat.dimension_value(x.shape[a]) for a in kept_axes]
         compute = tf.float64 if x.dtype.base_dtype == tf.float64 else tf.float32
         xc = tf.cast(x, compute)
         wc = None if weights is None else tf.cast(weights, compute) + tf.zeros_like(xc)
         count, shift, mean_s, m2 = _local(xc, axes, wc)
+        if 0 in axes and training is not False:  # copies of one layer in an unnamed loop
+            check_untowered_copies(options, group, scope.name, count, hand_written=True)
         reduced_shape = tf.shape(shift)          # the kept axes, 1 in the reduced ones
         size = tf.size(shift) if None in kept else _product(kept)
         flat = [tf.reshape(t, [-1]) for t in (count, shift, mean_s, m2)]

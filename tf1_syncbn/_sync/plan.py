@@ -150,7 +150,7 @@ def plan_sync(options, group):
 
     Returns:
       A :class:`SyncPlan`, or None (no synchronization: ``sync_statistics``
-      None, a single member, or ``'auto'`` in an unknown group, which warns).
+      None, or a single member).
 
     Raises:
       ValueError: inside a while loop (see

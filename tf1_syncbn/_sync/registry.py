@@ -49,7 +49,7 @@ class CallRegistry(object):
         self._exited = collections.defaultdict(set)   # total -> tower indices exited
         self._pending = collections.defaultdict(set)  # total -> call names to check
         self._incomplete = {}       # call names some tower has not built yet, in order
-        self._unnamed = collections.defaultdict(list)  # variable -> devices of untowered copies
+        self._unnamed = collections.defaultdict(list)  # layer key -> devices of untowered copies
         self.listeners = []
 
     def call_name(self, towers, tower_index, base):
@@ -137,12 +137,15 @@ class CallRegistry(object):
 
         A layer whose variables are used in training by copies on several
         devices, none of them in a tower the layer can name (no tower context,
-        no tower name scope, no ``num_dev``), normalizes each copy alone: an
-        unnamed tower loop. Nothing is recorded here (see
+        no tower name scope, no ``num_dev``), would normalize each copy alone:
+        an unnamed tower loop. Nothing is recorded here (see
         :meth:`add_untowered_copy`), so that a call that raises leaves no trace.
 
         Args:
-          variable: the name of the layer's moving-mean variable.
+          variable: what names the layer in every copy: the name of its
+            moving-mean variable (a ``tf1_syncbn.moments`` call: a key made of
+            its variable scope, see
+            :func:`tf1_syncbn._sync.group.check_untowered_copies`).
           device: the canonical device of this copy.
 
         Returns:

@@ -65,6 +65,8 @@ class LayerFacts:
       in_step: the training copies the step runs (all training copies when
         it runs none, or without a train op).
       computation: ``'tf1_syncbn'``, ``'fused'``, ``'moments'`` or ``'-'``.
+      hand_written: its ``'tf1_syncbn'`` computation is ``tf1_syncbn.moments``
+        calls (a batch norm written by hand), not one of the library's layers.
       mode: ``'train'``, ``'infer'`` or ``'train+infer'``.
       towers, training_towers, inference_towers, synced_towers: sorted tower
         labels: of every copy, of ``in_step``, of the inference paths, of the
@@ -101,6 +103,7 @@ class LayerFacts:
     training: tuple
     in_step: tuple
     computation: str
+    hand_written: bool
     mode: str
     towers: tuple
     training_towers: tuple
@@ -164,6 +167,7 @@ def layer_facts(key, graph):
         in_step=tuple(in_step),
         computation=('tf1_syncbn' if 'library' in kinds else 'fused' if 'fused' in kinds else
                      'moments' if 'moments' in kinds else '-'),
+        hand_written=any(i.hand_written for i in group),
         mode=('infer' if not training else
               'train+infer' if any(i.inference for i in group) else 'train'),
         towers=unique_towers(i.tower for i in group),

@@ -100,6 +100,13 @@ class Instance(object):
         return bool(self.kinds & _TRAINING_KINDS)
 
     @property
+    def hand_written(self):
+        """Whether its library anchors are ``tf1_syncbn.moments``' (under a ``moments`` scope)."""
+        return any(kind == 'library' and
+                   _MOMENTS.fullmatch(parent_scope(node.name).rsplit('/', 1)[-1])
+                   for node, kind in self.anchors)
+
+    @property
     def inference(self):
         """Whether a graph, function body or v1 cond branch holds only inference anchors of it."""
         training_contexts = {(id(n.context), n.branch) for n, k in self.anchors

@@ -184,7 +184,8 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_MOMENTUM, eps
               center=_CENTER, scale=_SCALE, beta_initializer=None,
               gamma_initializer=_GAMMA_INITIALIZER,
               virtual_batch_size=None, data_format='channels_last', ema_update='default',
-              sync_statistics=None, finetune=None, group_size=None, **legacy_kwargs):
+              sync_statistics=None, finetune=None, group_size=None, num_dev=None,
+              **legacy_kwargs):
     """tensorpack's ``BatchNorm`` layer, with synchronized statistics on any device.
 
     Call it as tensorpack users do: ``BatchNorm('bn', x, sync_statistics='nccl')``.
@@ -255,7 +256,16 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_MOMENTUM, eps
         :func:`start_finetuning` (ChainerMN's fine-tune mode).
       group_size: None (synchronize every tower), or synchronize within groups
         of that many consecutive global towers, or explicit groups (lists of
-        global tower indices); as for :func:`tf1_syncbn.sync_batch_norm`.
+        global tower indices); as for :func:`tf1_syncbn.sync_batch_norm`. Needs
+        a ``sync_statistics`` other than None.
+      num_dev: the number of towers in this graph, for towers built under
+        name scopes ``tower_<i>`` / ``tower<i>`` / ``clone_<i>`` (or a pattern
+        registered with :func:`tower.register_tower_pattern`) without a tower
+        context: a plain ``for i: with tf.device(...), tf.name_scope('tower_%d'
+        % i):`` loop. Leave it out under tensorpack's trainers and
+        ``tower.TowerContext`` (they know the count); ``1`` where copies of
+        the layer on several devices are one tower on purpose (one model split
+        across devices).
       **legacy_kwargs: tensorpack's old names (``use_bias``, ``use_scale``,
         ``gamma_init``, ``decay``, ``use_local_stat``).
 
@@ -295,6 +305,7 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_MOMENTUM, eps
             data_format=_DATA_FORMATS[data_format], axis=axis, is_training=training,
             momentum=values['momentum'], epsilon=epsilon, center=values['center'],
             scale=values['scale'], sync_statistics=sync_statistics, group_size=group_size,
+            num_dev=num_dev,
             virtual_batch_size=virtual_batch_size if training is not False else None)
         x, layout = check_inputs(options, inputs)
         fused = tensorpack_runs_fused_kernel(layout.rank, x.dtype.base_dtype,
@@ -345,7 +356,7 @@ def _attach_variables(tensor, **variables):
 @tf.autograph.experimental.do_not_convert     # (see tf1_syncbn._core.call)
 def BatchRenorm(name, x, rmax, dmax, *, momentum=0.9, epsilon=1e-5, center=True, scale=True,
                 gamma_initializer=None, data_format='channels_last', sync_statistics=None,
-                training=None, group_size=None, **legacy_kwargs):
+                training=None, group_size=None, num_dev=None, **legacy_kwargs):
     """tensorpack's ``BatchRenorm`` (Batch Renormalization, Ioffe 2017), synchronizable.
 
     It runs the renorm path of :func:`tf1_syncbn.sync_batch_norm`: ``r`` and
@@ -380,6 +391,7 @@ def BatchRenorm(name, x, rmax, dmax, *, momentum=0.9, epsilon=1e-5, center=True,
       sync_statistics: as for :func:`BatchNorm`.
       training: None follows the tower context (True outside one).
       group_size: as for :func:`BatchNorm`.
+      num_dev: as for :func:`BatchNorm` (name-scope towers without a tower context).
 
     Returns:
       A tensor named ``<name>/output`` with the shape of ``x``.
@@ -404,7 +416,8 @@ def BatchRenorm(name, x, rmax, dmax, *, momentum=0.9, epsilon=1e-5, center=True,
             momentum=values['momentum'], epsilon=epsilon, center=values['center'],
             scale=values['scale'], renorm=True,
             renorm_clipping={'rmin': _reciprocal(rmax), 'rmax': rmax, 'dmax': dmax},
-            renorm_momentum=0.99, sync_statistics=sync_statistics, group_size=group_size)
+            renorm_momentum=0.99, sync_statistics=sync_statistics, group_size=group_size,
+            num_dev=num_dev)
         x, layout = check_inputs(options, x)
         # tensorpack builds Keras' layer with fused=False.
         options = options.with_replaced_path(False)

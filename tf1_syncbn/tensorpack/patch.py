@@ -133,8 +133,12 @@ def patch_tensorpack(sync_statistics=None, **defaults):
         patch is active: None (tensorpack's default, per-tower statistics),
         ``'auto'``, ``'collective'``, ``'nccl'``, ``'horovod'`` or a
         :class:`tf1_syncbn.SyncBackend`.
-      **defaults: other default keyword arguments of both layers (for example
-        ``epsilon=1e-5``).
+      **defaults: other default keyword arguments of both layers, for example
+        ``epsilon=1e-5``, ``num_dev=<towers>`` for towers built under
+        ``tower_<i>`` name scopes without a tower context (a plain ``tower_%d``
+        loop; tensorpack's trainers need none), or ``group_size=2`` (with a
+        ``sync_statistics`` other than None: the layers refuse ``group_size``
+        with None).
 
     Returns:
       A handle with ``restore()``, usable as a context manager.
