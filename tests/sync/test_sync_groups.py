@@ -311,30 +311,36 @@ def test_the_selftest_checks_and_shows_groups(capsys):
 
 @pytest.mark.once
 @pytest.mark.parametrize('static', [True, False])
-def test_ghost_batches_within_groups_of_different_batch_sizes(graph, rng, static):
-    """Virtual batch k of a group: the k-th run of 2 examples of each of its towers.
+@pytest.mark.parametrize('spec, sizes, groups', [
+    (2, [4, 4, 2, 2], [[0, 1], [2, 3]]),
+    ([[2], [0, 1], [3]], [4, 4, 8, 4], [[0, 1], [2], [3]]),     # two towers alone
+], ids=['pairs', 'alone'])
+def test_ghost_batches_within_groups_of_different_batch_sizes(graph, rng, static, spec, sizes,
+                                                              groups):
+    """Virtual batch k of a group: the k-th run of 4 / (its towers) examples of each tower.
 
     Static batch sizes are checked per group at build; unknown ones by an
-    all-reduce of the group's sizes (one slot per member of the group).
+    all-reduce of the group's sizes (one slot per member of the group). The
+    sizes are equal within each group, not across groups.
     """
     from tf1_syncbn.tensorpack import BatchNorm
-    sizes = [4, 4, 2, 2]          # static, equal within each group, not across groups
     xs, ys = [], []
 
     def tower():
         x = tf1.placeholder(tf.float32, [sizes[len(xs)] if static else None, 3])
         xs.append(x)
         ys.append(BatchNorm('bn', x, training=True, epsilon=EPS, virtual_batch_size=4,
-                            group_size=2, sync_statistics=CollectiveBackend(timeout=60)))
+                            group_size=spec, sync_statistics=CollectiveBackend(timeout=60)))
 
     call_for_each_tower(tower, ['/cpu:%d' % i for i in range(4)])
     parts = [(rng.randn(n, 3) * (t + 1) + t).astype(np.float32) for t, n in enumerate(sizes)]
     with make_session(graph, 4) as sess:
         sess.run(tf1.global_variables_initializer())
         got = sess.run(ys, dict(zip(xs, parts)))
-    for members in ([0, 1], [2, 3]):
-        for k in range(sizes[members[0]] // 2):
-            run = slice(2 * k, 2 * k + 2)
+    for members in groups:
+        length = 4 // len(members)
+        for k in range(sizes[members[0]] // length):
+            run = slice(length * k, length * (k + 1))
             expected = bn_forward(np.concatenate([parts[t][run] for t in members]),
                                   np.ones(3), np.zeros(3), EPS)['y']
             np.testing.assert_allclose(np.concatenate([got[t][run] for t in members]),
