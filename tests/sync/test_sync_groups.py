@@ -210,6 +210,60 @@ def test_groups_that_do_not_fit_are_refused_at_build(graph, spec, error, match):
                                                sync_statistics='collective'), 4, SHAPE)
 
 
+def test_one_tower_in_all_takes_an_int_group_size_as_its_own_group(graph, rng):
+    """A one-device debug run of a script written for groups: plain batch norm.
+
+    Outside any tower and in a one-tower ``call_for_each_tower``, a layer and
+    ``moments`` with ``group_size=2`` normalize with the tower's batch, which is
+    its group's concatenated batch: outputs, input gradients and moving statistics
+    against float64 numpy.
+    """
+    import tf1_syncbn
+    x = tf1.placeholder(tf.float32, SHAPE)
+    built = {}
+
+    def model(scope):       # as a script written for groups: sync_statistics left 'auto'
+        y = sync_batch_norm(x, scale=True, decay=DECAY, epsilon=EPS, scope=scope, group_size=2)
+        mean, variance = tf1_syncbn.moments(x, [0, 1, 2], group_size=2, name=scope + '_moments')
+        built[scope] = [y, tf.gradients(tf.reduce_sum(y * y), x)[0], mean, variance]
+
+    model('untowered')
+    call_for_each_tower(lambda: model('one_tower'), ['/cpu:0'])
+    updates = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
+    assert len(updates) == 4, updates
+    moving = {scope: [var(scope + '/moving_mean'), var(scope + '/moving_variance'),
+                      var(scope + '/gamma'), var(scope + '/beta')] for scope in built}
+    data = (rng.randn(5, *SHAPE[1:]) * 3 + 2).astype(np.float32)
+    with make_session(graph, 1) as sess:
+        sess.run(tf1.global_variables_initializer())
+        params = sess.run(moving)
+        got, _ = sess.run([built, updates], {x: data})
+        stats = sess.run(moving)
+    for scope, (y, dx, mean, variance) in got.items():
+        gamma, beta = params[scope][2:]
+        f = bn_forward(data, gamma, beta, EPS)
+        np.testing.assert_allclose(y, f['y'], rtol=1e-4, atol=1e-4, err_msg=scope)
+        np.testing.assert_allclose(dx, bn_backward(2 * f['y'], data, gamma, EPS)['dx'],
+                                   rtol=1e-3, atol=1e-3, err_msg=scope)
+        np.testing.assert_allclose(mean, f['mean'], rtol=1e-5, atol=1e-5, err_msg=scope)
+        np.testing.assert_allclose(variance, f['var'], rtol=1e-4, atol=1e-5, err_msg=scope)
+        np.testing.assert_allclose(stats[scope][0], (1 - DECAY) * f['mean'], rtol=1e-4,
+                                   atol=1e-5, err_msg=scope)
+        np.testing.assert_allclose(stats[scope][1], DECAY + (1 - DECAY) * f['var_unbiased'],
+                                   rtol=1e-4, atol=1e-5, err_msg=scope)
+
+
+@pytest.mark.once
+@pytest.mark.parametrize('towers, spec, match', [
+    (3, 2, r'group_size=2 does not divide the 3 towers.*one of 1, 3'),
+    (1, [[0, 1]], r'group_size=\[\[0, 1\]\] must put each of the 1 towers.*there is no tower 1'),
+])
+def test_more_towers_keep_the_divisibility_rule_and_groups_name_real_towers(graph, towers, spec,
+                                                                            match):
+    with pytest.raises(ValueError, match=match):
+        build_towers(lambda x: sync_batch_norm(x, group_size=spec), towers, SHAPE)
+
+
 @pytest.mark.once
 def test_a_missing_tower_is_named_with_its_group(graph):
     """Name-scope towers (no TowerContext): the first run names the missing tower's group."""
@@ -307,6 +361,9 @@ def test_the_selftest_checks_and_shows_groups(capsys):
     assert 'sync groups (group_size=2): group 1: towers 0, 1 | group 2: towers 2, 3' in out
     assert 'collective (2 groups: tower0, tower1 | tower2, tower3)' in out
     assert selftest.main(['--towers', '4', '--group-size', '3', '--device', 'cpu']) == 1
+    # One tower is its own group, as in the layers.
+    assert selftest.main(['--towers', '1', '--group-size', '2', '--backend', 'collective',
+                          '--device', 'cpu', '--steps', '1']) == 0
 
 
 @pytest.mark.once
