@@ -367,13 +367,13 @@ def test_the_selftest_checks_and_shows_groups(capsys):
 
 
 @pytest.mark.once
-@pytest.mark.parametrize('static', [True, False])
-@pytest.mark.parametrize('spec, sizes, groups', [
-    (2, [4, 4, 2, 2], [[0, 1], [2, 3]]),
-    ([[2], [0, 1], [3]], [4, 4, 8, 4], [[0, 1], [2], [3]]),     # two towers alone
-], ids=['pairs', 'alone'])
-def test_ghost_batches_within_groups_of_different_batch_sizes(graph, rng, static, spec, sizes,
-                                                              groups):
+@pytest.mark.parametrize('spec, sizes, groups, static', [
+    (2, [4, 4, 2, 2], [[0, 1], [2, 3]], True),
+    (2, [4, 4, 2, 2], [[0, 1], [2, 3]], False),
+    ([[2], [0, 1], [3]], [4, 4, 8, 4], [[0, 1], [2], [3]], False),     # two towers alone
+], ids=['pairs-static', 'pairs-dynamic', 'alone-dynamic'])
+def test_ghost_batches_within_groups_of_different_batch_sizes(graph, rng, spec, sizes, groups,
+                                                              static):
     """Virtual batch k of a group: the k-th run of 4 / (its towers) examples of each tower.
 
     Static batch sizes are checked per group at build; unknown ones by an
