@@ -4,8 +4,8 @@ One cheap forward step per front-end: 4 towers in groups of 2, and in groups
 of one tower first and last (``[[0], [1, 2], [3]]``), each group's outputs
 against float64 batch norm on its concatenated batch (every tower's data
 differ, so another grouping would not match). The exactness of the
-groups themselves is tests/sync/test_sync_groups.py's. The TF1-behaviour pass
-runs two front-ends: ``tf1_syncbn.layers`` and ``moments``.
+groups themselves is tests/sync/test_sync_groups.py's (in both TF behaviours,
+with ``sync_batch_norm``); the TF1-behaviour pass runs ``moments`` here.
 """
 
 import importlib
@@ -109,8 +109,7 @@ GROUPINGS = {'pairs': (2, [[0, 1], [2, 3]]),
 
 
 @pytest.mark.filterwarnings('ignore:patch_keras:UserWarning')
-@pytest.mark.parametrize('front_end', tf_behavior.pick(sorted(FRONT_ENDS),
-                                                       ['layers', 'moments']))
+@pytest.mark.parametrize('front_end', tf_behavior.pick(sorted(FRONT_ENDS), ['moments']))
 def test_group_size_reaches_every_front_end(graph, rng, front_end):
     _KERAS.clear()
     xs, ys = [], {name: [] for name in GROUPINGS}
