@@ -186,9 +186,14 @@ def sync_groups(options, towers, workers):
     Returns:
       A tuple of sorted tuples of global tower indices, one per group.
 
+    An int ``group_size`` with one tower in all (one device, one worker) is
+    that tower's group, whatever its size: the script runs as written, its
+    statistics those of the tower's batch. Explicit groups must name exactly
+    the towers that exist, with one tower too (``[[0]]``).
+
     Raises:
-      ValueError: an int ``group_size`` that does not divide the towers, or
-        explicit groups that do not cover every tower once.
+      ValueError: with more than one tower, an int ``group_size`` that does not
+        divide the towers; explicit groups that do not cover every tower once.
     """
     spec, name, total = options.group_size, options.arg('group_size'), towers * workers
     where = ('%d towers' % total if workers == 1 else
@@ -196,6 +201,10 @@ def sync_groups(options, towers, workers):
     if spec is None:
         return (tuple(range(total)),)
     if isinstance(spec, int):
+        if total == 1:
+            # One tower in all (a one-device debug run of a script written for
+            # groups): its group is itself, whose batch is the group's batch.
+            return ((0,),)
         if total % spec:
             raise options.error(
                 '%s=%d does not divide the %s of its sync group: groups are consecutive global '

@@ -24,7 +24,11 @@ from tf1_syncbn._sync.registry import get_registry
 from tf1_syncbn.backends import SyncKey
 from tower import TowerContext
 
-__all__ = ['SyncPlan', 'plan_sync', 'backward_direction']
+__all__ = ['SyncPlan', 'plan_sync', 'backward_direction', 'GROUP_OF_ONE']
+
+#: The name of the identity that stands for the all-reduce of a sync group of
+#: one tower (the audit, :mod:`tf1_syncbn.audit.layers`, reads it).
+GROUP_OF_ONE = 'sync_group_of_one'
 
 
 class SyncPlan(collections.namedtuple('SyncPlan',
@@ -78,8 +82,10 @@ class SyncPlan(collections.namedtuple('SyncPlan',
         """
         if direction == 'backward':
             direction = backward_direction(next(self.backward_builds))
-        if self.group_size == 1:        # group_size=1 across workers: this tower alone
-            return tf.identity(tensor)
+        if self.group_size == 1:
+            # A group of one tower: its sum is its own tensor. Named, so that the
+            # audit tells this tower's group of one from a tower left unsynchronized.
+            return tf.identity(tensor, name=GROUP_OF_ONE)
         with tf.control_dependencies(self.guards), timeouts.watched(self.watched), \
                 raw_collectives():
             return self.backend.all_reduce(tensor, self.key, direction)
@@ -150,7 +156,9 @@ def plan_sync(options, group):
 
     Returns:
       A :class:`SyncPlan`, or None (no synchronization: ``sync_statistics``
-      None, or a single member).
+      None, or one tower in all). A tower alone in its sync group gets a plan
+      whose all-reduces are identities (named :data:`GROUP_OF_ONE`): no
+      collective, no guard.
 
     Raises:
       ValueError: inside a while loop (see
@@ -167,12 +175,20 @@ def plan_sync(options, group):
             sync_groups(options, group.towers, group.workers)   # refuses a size that does not fit
         return None
     sync_group = find_sync_group(options, group, backend)
-    group_size = backend.group_size(group.towers) if sync_group is None else \
-        len(sync_group.members)
-    if group_size == 1 and (sync_group is None or not sync_group.main_needs_worker0()):
-        return None
+    if sync_group is None:
+        group_size = backend.group_size(group.towers)
+        if group_size == 1:
+            return None                 # one tower in all
+    else:
+        group_size = len(sync_group.members)
+    # A tower alone in its sync group (group_size=1, or explicit groups such as
+    # [[0], [1, 2, 3]]) all-reduces nothing for its statistics (its plan sums
+    # over itself: identities), but it is planned and registered as every
+    # member is: the registry then knows that it built the layer, and checks
+    # that it built it with the same groups as the other towers.
+    collective = group_size > 1 or sync_group.main_needs_worker0()
     loop = enclosing_while_loop()
-    if loop is not None:
+    if loop is not None and collective:
         raise options.error(
             'a synchronized layer cannot be built inside the while loop %r (tf.while_loop, or '
             'tf.map_fn / tf.scan / a tf.function loop built on it). Its all-reduces would have '
@@ -188,6 +204,7 @@ def plan_sync(options, group):
     get_registry().register(key, group.index, group.towers, backend,
                             track=isinstance(group.ctx, TowerContext),
                             labels=None if sync_group is None else sync_group.local_labels())
-    guards, watched = _guards.step_guards(device, backend.step_timeout())
+    guards, watched = _guards.step_guards(device, backend.step_timeout()) if collective else \
+        ((), False)
     return SyncPlan(backend, key, guards, watched, itertools.count(), group.index, sync_group)
 

@@ -90,6 +90,7 @@ class Instance(object):
         self.key = None
         self.anchors = []            # (node, kind)
         self.collectives = []        # forward all-reduces under its scope
+        self.alone = []              # identities that stand for a sync group of one's
 
     @property
     def kinds(self):
@@ -312,20 +313,36 @@ def collective_key(node):
     return (node.op, key.i if key is not None else None)
 
 
+#: The name of the identity that stands for the all-reduce of a tower alone in
+#: its sync group (``group_size=1``, or explicit groups with a group of one):
+#: ``tf1_syncbn._sync.plan.GROUP_OF_ONE``.
+GROUP_OF_ONE = re.compile(r'sync_group_of_one(_[0-9]+)?')
+
+
+def _is_group_of_one(node):
+    return node.op == 'Identity' and GROUP_OF_ONE.fullmatch(node.name.rsplit('/', 1)[-1])
+
+
 def _attach_collectives(index, instances):
-    """Forward all-reduces to the instance whose scope holds them; returns the backward ones."""
+    """Forward all-reduces (and groups of one) to the instance whose scope holds them.
+
+    Returns:
+      The backward all-reduces.
+    """
     backward = []
     for node in index.nodes:
-        if collective_group(node) is None:
+        alone = _is_group_of_one(node)
+        if not alone and collective_group(node) is None:
             continue
         if is_gradient_scope(node.name):
-            backward.append(node)
+            if not alone:
+                backward.append(node)
             continue
         scope = parent_scope(node.name)
         while scope and scope not in instances:
             scope = parent_scope(scope)
         if scope in instances:
-            instances[scope].collectives.append(node)
+            (instances[scope].alone if alone else instances[scope].collectives).append(node)
     return backward
 
 
