@@ -7,7 +7,8 @@
 * :func:`start_finetuning`: restart the exact population statistics.
 * :func:`patch_tensorpack`, :func:`patch_tf_layers`, :func:`sync_arg_scope`,
   :func:`patch_slim`: make existing tensorpack, tf.layers and tf-slim code
-  build this library's layers.
+  build this library's layers; ``python -m tf1_syncbn.run`` does it for an
+  unchanged script (:mod:`tf1_syncbn.run`).
 * :mod:`tf1_syncbn.keras`: tf-keras' (Keras 2) ``BatchNormalization`` for Keras
   models in TF1 graphs, and :func:`patch_keras` (both need tf-keras; loaded on
   first use, so ``import tf1_syncbn`` never imports tf-keras).
@@ -34,11 +35,13 @@
   ``python -m tf1_syncbn.launch`` (:mod:`tf1_syncbn.launch`).
 """
 
-# `python -m tf1_syncbn.<command> --help` answers here, before TensorFlow loads
-# (the imports below come after it on purpose).
+# `python -m tf1_syncbn.<command> --help` answers here, before TensorFlow loads, and
+# `python -m tf1_syncbn.run` starts its script (the imports below come after it on purpose).
 # ruff: noqa: E402
 from tf1_syncbn._cli import answer_help_early as _answer_help_early
+from tf1_syncbn._cli import start_early as _start_early
 _answer_help_early()
+_start_early()
 
 import sys as _sys
 
