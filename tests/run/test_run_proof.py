@@ -14,6 +14,8 @@
 
 import inspect
 import json
+import sys
+import types
 
 import pytest
 import tensorflow as tf
@@ -104,18 +106,22 @@ def test_each_worker_writes_its_own_report():
 
 @pytest.mark.once
 def test_the_runners_switch_steps_aside_for_the_scripts_own_patch():
+    user = types.ModuleType('user_module')
+    sys.modules[user.__name__] = user
     with yielding():
         runner = tf1_syncbn.patch_tf_layers()
     try:
         switched = tf1.layers.batch_normalization
+        user.bn = switched          # `from tensorflow.compat.v1.layers import ...` meanwhile
         own = tf1_syncbn.patch_tf_layers(num_dev=4)     # a script that patches itself
         assert runner.waiting and own.active
         assert tf1.layers.batch_normalization is not switched
+        assert user.bn is tf1.layers.batch_normalization         # the script's, num_dev=4
         own.restore()
-        assert runner.active and tf1.layers.batch_normalization is switched
+        assert runner.active and tf1.layers.batch_normalization is switched is user.bn
     finally:
         runner.restore()
-    assert not tf1_syncbn.layers.batch_normalization.__module__.startswith('tf1_syncbn.run')
+        del sys.modules[user.__name__]
 
 
 @pytest.mark.once

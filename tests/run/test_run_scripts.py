@@ -10,7 +10,8 @@ tf.layers and tf-slim scripts cannot run at all. The runner's report on stderr s
 
 ``--strict`` stops a script with a hand-written ``tf.nn.moments`` batch norm before its first
 step, with exit status 3 and a report naming the layer and the fix; without it, the same
-script trains and the report says why it should not.
+script trains and the report says why it should not. A script that imports tf1_syncbn first
+and calls ``patch_tf_layers(num_dev=...)`` itself keeps its own patch under the runner.
 
 The runs are forked from an interpreter that has imported TensorFlow (``forked.run_python``):
 what ``python -m tf1_syncbn.run`` ``exec``s, ``python tf1_syncbn/run/startup.py script.py``
@@ -88,6 +89,16 @@ def test_without_strict_the_script_trains_and_the_report_says_why(tmp_path):
     assert 'step 1 done' in stdout
     assert 'training goes on (--strict stops before the first step)' in stderr
     assert stderr.index('PROBLEMS') < stderr.index('training goes on')
+
+
+def test_a_script_that_patches_itself_keeps_its_own_arguments(tmp_path):
+    """It imports tf1_syncbn first, from-imports tf.layers' function, patches with num_dev."""
+    status, stdout, stderr, _ = harness.under_runner('already_patched.py', tmp_path, 2,
+                                                     '--strict')
+    assert status == 0, stdout[-2000:] + stderr[-4000:]
+    assert 'step 1 done' in stdout and 'tf1_syncbn.run: OK' in stderr
+    assert '2 layers: bn1, bn2  tower_0, tower_1  train  collective (group 2)' in stderr
+    assert 'restored: tf1_syncbn.layers' in stdout         # the runner's switch came back
 
 
 @pytest.mark.versions

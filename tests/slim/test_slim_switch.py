@@ -78,13 +78,17 @@ def test_sync_arg_scope_still_works_under_the_patch(graph):
 
 @pytest.mark.once
 def test_the_runners_patch_steps_aside_for_the_scripts_own():
+    user = types.ModuleType('user_module')
+    sys.modules[user.__name__] = user
     with yielding():
         runner = tf1_syncbn.patch_slim()
     try:
+        user.bn = slim.batch_norm                   # imported while the runner's is active
         own = tf1_syncbn.patch_slim(num_dev=4)
-        assert runner.waiting and slim.batch_norm is own.batch_norm
+        assert runner.waiting and slim.batch_norm is own.batch_norm is user.bn
         own.restore()
-        assert runner.active and slim.batch_norm is runner.batch_norm
+        assert runner.active and slim.batch_norm is runner.batch_norm is user.bn
     finally:
         runner.restore()
+        del sys.modules[user.__name__]
     assert slim.batch_norm is ORIGINAL

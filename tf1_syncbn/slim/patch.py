@@ -452,12 +452,16 @@ class _SlimSwitch(Patch):
         self.batch_norm = _with_defaults(defaults)
 
     def _apply(self):
+        # slim's function, and that of a yielding patch that stepped aside for this one
+        # (python -m tf1_syncbn.run's), which modules imported while it was active.
+        theirs = {id(_ORIGINAL_BATCH_NORM)}
+        theirs.update(id(waiting.batch_norm) for waiting in self._waiting_patches)
         for name, module in loaded_modules():
             if name == _OWN or name.startswith(_OWN + '.'):
                 continue
             space = namespace(module)
             for attribute, value in list(space.items()):
-                if value is _ORIGINAL_BATCH_NORM:
+                if id(value) in theirs:
                     self._set(module, attribute, self.batch_norm, direct=True)
 
     def user_names(self):
