@@ -225,6 +225,7 @@ class _Watcher(object):
         self.text = text
         self.loading = set()        # watched modules whose code runs now
         self.switches = None        # tf1_syncbn.run.switches, once switched on
+        self.error = None           # what switching on raised (raised again by the import)
         self._finding = set()
         self._busy = threading.local()
 
@@ -252,16 +253,26 @@ class _Watcher(object):
         return 'tensorflow' in sys.modules and not self.loading.intersection(_PACKAGE_IMPORTS)
 
     def loaded(self, name):
-        """A watched module (or, with None, the hook's install) finished importing."""
-        if getattr(self._busy, 'on', False):
-            return              # the switches' own imports
+        """A watched module (or, with None, the hook's install) finished importing.
+
+        Raises:
+          Whatever switching on raises (once: the import that triggered it
+          fails with it, and the runner stays off), or a front-end's switch
+          refuses (:func:`tf1_syncbn.run.switches.library_loaded`).
+        """
+        if getattr(self._busy, 'on', False) or self.error is not None:
+            return              # the switches' own imports, or switching on failed
         self._busy.on = True
         try:
             if self.switches is None:
                 if self.ready():
                     import importlib  # noqa: PLC0415 - only once TensorFlow is imported
-                    switches = importlib.import_module('tf1_syncbn.run.switches')
-                    switches.activate(self.text, frozenset(self.loading))
+                    try:
+                        switches = importlib.import_module('tf1_syncbn.run.switches')
+                        switches.activate(self.text, frozenset(self.loading))
+                    except BaseException as e:
+                        self.error = e
+                        raise
                     self.switches = switches
             elif name is not None:
                 self.switches.library_loaded(name, frozenset(self.loading))
@@ -364,7 +375,7 @@ def install_from_environment(environ=None):
 def _unseen_tensorflow():
     """At exit: says so when TensorFlow was imported without the hook seeing it (never silent)."""
     watcher = _WATCHER[0]
-    if watcher.switches is None and 'tensorflow' in sys.modules:
+    if watcher.switches is None and watcher.error is None and 'tensorflow' in sys.modules:
         sys.stderr.write('tf1_syncbn.run: TensorFlow was imported, but not through the '
                          'runner\'s import hook (another sys.meta_path finder loaded it): '
                          'nothing was switched to tf1_syncbn\'s layers in this process.\n')
