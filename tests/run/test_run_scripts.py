@@ -15,10 +15,15 @@ and calls ``patch_tf_layers(num_dev=...)`` itself keeps its own patch under the 
 
 The runs are forked from an interpreter that has imported TensorFlow (``forked.run_python``):
 what ``python -m tf1_syncbn.run`` ``exec``s, ``python tf1_syncbn/run/startup.py script.py``
-with ``TF1_SYNCBN_RUN`` (the command line itself: test_run_startup.py).
+with ``TF1_SYNCBN_RUN`` (the command line itself: test_run_startup.py), but for the script
+that patches itself, a real ``python -m tf1_syncbn.run`` where TensorFlow is imported inside
+the script's ``import tf1_syncbn``.
 """
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import tensorflow as tf
@@ -61,7 +66,7 @@ def test_without_the_runner_they_cannot_run_on_keras_3(name, tmp_path):
         pytest.skip('TensorFlow 2.15 runs tf.layers and slim.batch_norm on its Keras 2')
     status, _, stderr = forked.run_python([harness.script(name), str(TOWERS),
                                            str(tmp_path / 'out.npz')], tmp_path,
-                                          dict(harness.os.environ), 300)
+                                          dict(os.environ), 300)
     assert status != 0
     assert 'Keras 3' in stderr or 'keras' in stderr.lower(), stderr[-3000:]
 
@@ -91,14 +96,22 @@ def test_without_strict_the_script_trains_and_the_report_says_why(tmp_path):
     assert stderr.index('PROBLEMS') < stderr.index('training goes on')
 
 
+@pytest.mark.once
 def test_a_script_that_patches_itself_keeps_its_own_arguments(tmp_path):
-    """It imports tf1_syncbn first, from-imports tf.layers' function, patches with num_dev."""
-    status, stdout, stderr, _ = harness.under_runner('already_patched.py', tmp_path, 2,
-                                                     '--strict')
-    assert status == 0, stdout[-2000:] + stderr[-4000:]
-    assert 'step 1 done' in stdout and 'tf1_syncbn.run: OK' in stderr
-    assert '2 layers: bn1, bn2  tower_0, tower_1  train  collective (group 2)' in stderr
-    assert 'restored: tf1_syncbn.layers' in stdout         # the runner's switch came back
+    """It imports tf1_syncbn first, from-imports tf.layers' function, patches with num_dev.
+
+    A real ``python -m tf1_syncbn.run`` (not forked): TensorFlow is first imported inside the
+    script's ``import tf1_syncbn``, and the runner switches on once that import ends.
+    """
+    proc = subprocess.run(
+        [sys.executable, '-m', 'tf1_syncbn.run', '--strict', harness.script('already_patched.py'),
+         '2', str(tmp_path / 'out.npz')],
+        cwd=harness.ROOT, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'), capture_output=True,
+        text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert 'step 1 done' in proc.stdout and 'tf1_syncbn.run: OK' in proc.stderr
+    assert '2 layers: bn1, bn2  tower_0, tower_1  train  collective (group 2)' in proc.stderr
+    assert 'restored: tf1_syncbn.layers' in proc.stdout   # the runner's switch came back
 
 
 @pytest.mark.versions
