@@ -1,10 +1,10 @@
-"""The one base of the four patches, :class:`Patch`, and what each checks: the names users call.
+"""The one base of the patches, :class:`Patch`, and what each checks: the names users call.
 
 :func:`tf1_syncbn.patch_tf_layers`, :func:`tf1_syncbn.patch_tensorpack`,
-:func:`tf1_syncbn.keras.patch_keras` and :func:`tf1_syncbn.sync_arg_scope`
-(:func:`~tf1_syncbn.slim.patch_slim_batch_norm`) replace another library's
-batch normalization wherever they can find it, each by a subclass of
-:class:`Patch`, which gives them the same life:
+:func:`tf1_syncbn.keras.patch_keras`, :func:`tf1_syncbn.patch_slim` and
+:func:`tf1_syncbn.sync_arg_scope` (:func:`~tf1_syncbn.slim.patch_slim_batch_norm`)
+replace another library's batch normalization wherever they can find it, each
+by a subclass of :class:`Patch`, which gives them the same life:
 
 * :meth:`Patch.apply` holds the kind's process lock, refuses a second active
   patch of an exclusive kind (``RuntimeError``), runs the subclass's
