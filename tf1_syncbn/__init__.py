@@ -5,9 +5,10 @@
 * :mod:`tf1_syncbn.layers`: ``batch_normalization`` / ``BatchNormalization``,
   tf.layers' API, on the same engine.
 * :func:`start_finetuning`: restart the exact population statistics.
-* :func:`patch_tensorpack`, :func:`patch_tf_layers`, :func:`sync_arg_scope`:
-  make existing tensorpack, tf.layers and tf-slim code build this library's
-  layers.
+* :func:`patch_tensorpack`, :func:`patch_tf_layers`, :func:`sync_arg_scope`,
+  :func:`patch_slim`: make existing tensorpack, tf.layers and tf-slim code
+  build this library's layers; ``python -m tf1_syncbn.run`` does it for an
+  unchanged script (:mod:`tf1_syncbn.run`).
 * :mod:`tf1_syncbn.keras`: tf-keras' (Keras 2) ``BatchNormalization`` for Keras
   models in TF1 graphs, and :func:`patch_keras` (both need tf-keras; loaded on
   first use, so ``import tf1_syncbn`` never imports tf-keras).
@@ -36,18 +37,20 @@
   ``python -m tf1_syncbn.launch`` (:mod:`tf1_syncbn.launch`).
 """
 
-# `python -m tf1_syncbn.<command> --help` answers here, before TensorFlow loads
-# (the imports below come after it on purpose).
+# `python -m tf1_syncbn.<command> --help` answers here, before TensorFlow loads, and
+# `python -m tf1_syncbn.run` starts its script (the imports below come after it on purpose).
 # ruff: noqa: E402
 from tf1_syncbn._cli import answer_help_early as _answer_help_early
+from tf1_syncbn._cli import start_early as _start_early
 _answer_help_early()
+_start_early()
 
 import sys as _sys
 
 from tf1_syncbn.backends import (CollectiveBackend, HorovodBackend, NcclBackend, SyncBackend,
                                  SyncKey)
 from tf1_syncbn.errors import PatchError, SyncBNWarning
-from tf1_syncbn.slim import convert_arg_scope, sync_arg_scope, sync_batch_norm
+from tf1_syncbn.slim import convert_arg_scope, patch_slim, sync_arg_scope, sync_batch_norm
 from tf1_syncbn.tensorpack import BatchNorm, BatchRenorm, patch_tensorpack, start_finetuning
 from tf1_syncbn import layers
 from tf1_syncbn.layers import patch_tf_layers
@@ -62,8 +65,8 @@ from tf1_syncbn.audit import report as _audit_report
 
 __all__ = ['sync_batch_norm', 'BatchNorm', 'BatchRenorm', 'start_finetuning', 'SyncBackend',
            'SyncKey', 'CollectiveBackend', 'NcclBackend', 'HorovodBackend']
-__all__ += ['sync_arg_scope', 'convert_arg_scope', 'patch_tensorpack', 'SyncBNWarning',
-            'PatchError']
+__all__ += ['sync_arg_scope', 'convert_arg_scope', 'patch_tensorpack', 'patch_slim',
+            'SyncBNWarning', 'PatchError']
 __all__ += ['layers', 'patch_tf_layers']
 __all__ += ['setup_cluster', 'Cluster', 'DistributedOptimizer', 'all_reduce_gradients',
             'average_across_workers', 'broadcast_variables', 'WorkerSession', 'ClusterError',

@@ -69,6 +69,10 @@ LAYERS = {
                                'tf1_syncbn.errors', 'tf1_syncbn.restarts', 'tower'},
     # What users import or run.
     'tf1_syncbn.launch': {'tf1_syncbn.restarts'},
+    # python -m tf1_syncbn.run: the front-ends' public patches, the audit, and the core's
+    # patching (yielding) and keras2 (which Keras 2 package) only.
+    'tf1_syncbn.run': {'tf1_syncbn._core', 'tf1_syncbn.audit', 'tf1_syncbn.layers',
+                       'tf1_syncbn.slim', 'tf1_syncbn.tensorpack', 'tf1_syncbn.keras'},
     'tf1_syncbn.selftest': '*',
     'tf1_syncbn': '*',
 }
@@ -325,3 +329,32 @@ def test_the_checkers_pass_a_tree_that_keeps_the_rules():
             'tf1_syncbn.slim._helper': ''}
     assert layering_violations(tree) == [] and private_violations(tree) == []
     assert _cycles(_module_graph(tree)) == [] and _cycles(_package_graph(tree)) == []
+
+
+#: What runs before TensorFlow is imported, where the package cannot be imported: the
+#: ``.pth`` hook's module and the runner's start (loaded by path). The standard library only.
+BEFORE_TENSORFLOW = ('_tf1_syncbn_run.py', os.path.join('tf1_syncbn', 'run', 'startup.py'))
+
+
+def non_standard_imports(source):
+    """The top-level names of the modules ``source`` imports that are not the standard library."""
+    import sys  # noqa: PLC0415
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split('.')[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            found.add('.' if node.level else node.module.split('.')[0])
+    return sorted(found - set(sys.stdlib_module_names))
+
+
+@pytest.mark.parametrize('path', BEFORE_TENSORFLOW)
+def test_what_runs_before_tensorflow_imports_only_the_standard_library(path):
+    with open(os.path.join(ROOT, path)) as f:
+        assert non_standard_imports(f.read()) == []
+
+
+def test_the_standard_library_checker_finds_other_imports():
+    assert non_standard_imports('import os, numpy\nfrom tf1_syncbn import x\n'
+                                'from . import y\nfrom json import dumps\n') == [
+        '.', 'numpy', 'tf1_syncbn']

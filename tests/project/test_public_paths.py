@@ -31,7 +31,10 @@ PUBLIC = {
         'all_reduce_gradients', 'average_across_workers', 'broadcast_variables', 'WorkerSession',
         'ClusterError', 'PeerMissingError', 'WorkerLostError', 'audit_graph', 'export',
         'keras', 'patch_keras', 'audit', 'distributed', 'backends', 'timeouts', 'kernel_sets',
-        'kernels', 'moments', 'weighted_moments', '__version__'],
+        'kernels', 'moments', 'weighted_moments', '__version__', 'patch_slim'],
+    'tf1_syncbn.slim': ['sync_batch_norm', 'sync_arg_scope', 'convert_arg_scope',
+                        'patch_slim_batch_norm', 'is_slim_batch_norm', 'patch_slim'],
+    'tf1_syncbn.run': ['ENVIRONMENT_VARIABLE', 'STRICT_EXIT_STATUS', 'BACKENDS', 'build_parser'],
     'tf1_syncbn.layers': ['BatchNormalization', 'batch_normalization', 'patch_tf_layers'],
     'tf1_syncbn.keras': ['BatchNormalization', 'BatchNormalizationV1', 'patch_keras',
                          'KERAS_PACKAGE', 'KERAS_BATCH_NORMALIZATION',
@@ -74,7 +77,7 @@ PUBLIC = {
 
 #: ``python -m <module> --help`` for each command of the docs.
 COMMANDS = ['tf1_syncbn.audit', 'tf1_syncbn.selftest', 'tf1_syncbn.kernels',
-            'tf1_syncbn.launch']
+            'tf1_syncbn.launch', 'tf1_syncbn.run']
 
 
 @pytest.mark.parametrize('module', sorted(PUBLIC))

@@ -1,22 +1,25 @@
-"""The command lines' parsers, and their ``--help`` before TensorFlow loads.
+"""The command lines' parsers, their ``--help``, and the runner's start, before TensorFlow loads.
 
 ``python -m tf1_syncbn.<command>`` imports the package first, and the
 package imports TensorFlow (20 to 30 s on a small machine) before the
 command's module runs. :func:`answer_help_early`, called first thing by the
 package, answers ``-h`` / ``--help`` of the package's commands (``audit``,
-``selftest``, ``kernels``, ``launch``) from the command line the interpreter
-was started with (``sys.orig_argv``), with the command's own parser: it
-prints the help and exits, as the command would, before anything heavy is
-imported. Any other start goes on as usual. This module imports only the
-standard library.
+``selftest``, ``kernels``, ``launch``, ``run``) from the command line the
+interpreter was started with (``sys.orig_argv``), with the command's own
+parser: it prints the help and exits, as the command would, before anything
+heavy is imported. :func:`start_early`, called next, starts ``python -m
+tf1_syncbn.run``'s script in a new interpreter image, so that TensorFlow is
+first imported by the script itself. Any other start goes on as usual. This
+module imports only the standard library (``launch`` and ``run.startup``,
+whose parsers it loads by name, import nothing more).
 """
 
 import argparse
 import importlib
 import sys
 
-__all__ = ['answer_help_early', 'audit_parser', 'selftest_parser', 'kernels_parser',
-           'SELFTEST_BACKENDS']
+__all__ = ['answer_help_early', 'start_early', 'audit_parser', 'selftest_parser',
+           'kernels_parser', 'SELFTEST_BACKENDS']
 
 #: The backends ``python -m tf1_syncbn.selftest`` checks.
 SELFTEST_BACKENDS = ('collective', 'nccl', 'auto')
@@ -79,11 +82,20 @@ def _launch_parser():
     return importlib.import_module('tf1_syncbn.launch').build_parser()
 
 
+#: The runner's start (the standard library only: tf1_syncbn/run/startup.py).
+_RUNNER = 'tf1_syncbn.run.startup'
+
+
+def _run_parser():
+    return importlib.import_module(_RUNNER).build_parser()
+
+
 _PARSERS = {
     'tf1_syncbn.audit': audit_parser,
     'tf1_syncbn.selftest': selftest_parser,
     'tf1_syncbn.kernels': kernels_parser,
     'tf1_syncbn.launch': _launch_parser,
+    'tf1_syncbn.run': _run_parser,
 }
 
 
@@ -118,3 +130,23 @@ def answer_help_early(argv=None):
     # The help action prints and exits when argparse reaches it; a '--help'
     # that is not ours (launch's worker command) leaves the parse to finish.
     build().parse_known_args(args)
+
+
+def start_early(argv=None):
+    """Starts ``python -m tf1_syncbn.run``'s script before the package imports TensorFlow.
+
+    The process becomes ``python tf1_syncbn/run/startup.py script.py args``
+    (:func:`tf1_syncbn.run.startup.exec_runner`: ``os.execve``), so that the
+    script imports TensorFlow itself, in its own environment.
+
+    Args:
+      argv: the interpreter's command line (default ``sys.orig_argv``).
+
+    Returns:
+      None, when the command line is not ``python [flags] -m tf1_syncbn.run ...``
+      (it does not return otherwise).
+    """
+    argv = list(getattr(sys, 'orig_argv', ()) if argv is None else argv)
+    module, args = _module_and_args(argv)
+    if module == 'tf1_syncbn.run':
+        importlib.import_module(_RUNNER).exec_runner(args)

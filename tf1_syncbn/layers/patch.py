@@ -173,6 +173,11 @@ class _TfLayersPatch(Patch):
                 original = vars(keras).get(alias)
                 if original is not None:
                     originals[id(original)] = self._replacements[name]
+        # A yielding patch that stepped aside for this one (python -m tf1_syncbn.run's): the
+        # names a module imported while it was active are its objects.
+        for waiting in self._waiting_patches:
+            for name, replacement in waiting._replacements.items():  # noqa: SLF001 - same kind
+                originals[id(replacement)] = self._replacements[name]
         loaders = {}
         for name, space in loaded_modules():
             internal = name.startswith(_INTERNAL)
