@@ -32,6 +32,7 @@ PAGES = {
     'tf1_syncbn.sync_batch_norm': 'docs/slim.md',
     'tf1_syncbn.sync_arg_scope': 'docs/slim.md',
     'tf1_syncbn.convert_arg_scope': 'docs/slim.md',
+    'tf1_syncbn.patch_slim': 'docs/slim.md',
     'tf1_syncbn.BatchNorm': 'docs/tensorpack.md',
     'tf1_syncbn.BatchRenorm': 'docs/tensorpack.md',
     'tf1_syncbn.patch_tensorpack': 'docs/tensorpack.md',
