@@ -42,8 +42,9 @@ LAYERS = {
     'tower': set(),
     'tf1_syncbn.errors': set(),
     'tf1_syncbn.timeouts': set(),
-    # The launcher's restart policy (launch.py runs as a plain script too: no TensorFlow).
-    'tf1_syncbn.restarts': set(),
+    # python -m tf1_syncbn.launch, its supervisor and restart policy (it also runs by its
+    # path, without the package: the standard library only).
+    'tf1_syncbn.launch': set(),
     # The commands' parsers, answering --help before TensorFlow loads: the standard library.
     'tf1_syncbn._cli': set(),
     'tf1_syncbn.kernels': {'tf1_syncbn._cli'},
@@ -65,10 +66,10 @@ LAYERS = {
     'tf1_syncbn.audit': {'tf1_syncbn._cli', 'tf1_syncbn.backends', 'tf1_syncbn.errors', 'tower'},
     'tf1_syncbn.export': {'tf1_syncbn._core', 'tf1_syncbn._compute', 'tf1_syncbn.backends',
                           'tf1_syncbn.errors', 'tf1_syncbn.kernels'},
+    # (The launch package: the restart environment and the chief's start line.)
     'tf1_syncbn.distributed': {'tf1_syncbn._sync', 'tf1_syncbn.backends', 'tf1_syncbn.timeouts',
-                               'tf1_syncbn.errors', 'tf1_syncbn.restarts', 'tower'},
+                               'tf1_syncbn.errors', 'tf1_syncbn.launch', 'tower'},
     # What users import or run.
-    'tf1_syncbn.launch': {'tf1_syncbn.restarts'},
     # python -m tf1_syncbn.run: the front-ends' public patches, the audit, and the core's
     # patching (yielding) and keras2 (which Keras 2 package) only.
     'tf1_syncbn.run': {'tf1_syncbn._core', 'tf1_syncbn.audit', 'tf1_syncbn.layers',

@@ -68,8 +68,8 @@ def kernels_parser():
     return parser
 
 
-#: The launcher's command line (the standard library only: tf1_syncbn/launch.py).
-LAUNCHER = 'tf1_syncbn.launch'
+#: The launcher's command line (the standard library only: tf1_syncbn/launch/command.py).
+LAUNCHER = 'tf1_syncbn.launch.command'
 #: The runner's start (the standard library only: tf1_syncbn/run/startup.py).
 RUNNER = 'tf1_syncbn.run.startup'
 
