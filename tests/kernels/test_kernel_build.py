@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from test_kernels import _subprocess_env
 from tf1_syncbn import kernels
 from tf1_syncbn.kernels import arch, cache
 
@@ -179,14 +180,6 @@ def test_the_cache_key_holds_the_flags_used_and_a_cached_build_needs_no_compiler
     assert len(calls(cxx)) == 2
 
 
-def _env(**extra):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3', PYTHONPATH=ROOT + os.pathsep +
-               os.path.join(ROOT, 'tests', 'support') + os.pathsep +
-               os.path.join(ROOT, 'tests'))
-    env.update(extra)
-    return env
-
-
 LAYER = '''
 import os, sys, warnings
 warnings.simplefilter('always')
@@ -221,7 +214,7 @@ def test_a_gxx10_like_compiler_builds_a_loadable_library_with_the_explicit_flags
         pytest.skip('this machine gets a portable build: %s' % why)
     cxx = fake_compiler(tmp_path, 'march-v3')
     cache = tmp_path / 'cache'
-    env = _env(CXX=cxx, TF1_SYNCBN_CACHE=str(cache))
+    env = _subprocess_env(CXX=cxx, TF1_SYNCBN_CACHE=str(cache))
     run = subprocess.run([sys.executable, '-m', 'tf1_syncbn.kernels'], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
     assert run.returncode == 0, run.stderr
@@ -252,7 +245,7 @@ def test_a_failed_compile_says_why_in_one_warning(tmp_path):
                    'echo "sync_bn_ops.cc:1:1: error: simulated compiler failure" >&2; exit 1;; '
                    'esac\nexec %s "$@"\n' % GXX)
     cxx.chmod(0o755)
-    env = _env(CXX=str(cxx), TF1_SYNCBN_CACHE=str(tmp_path / 'cache'))
+    env = _subprocess_env(CXX=str(cxx), TF1_SYNCBN_CACHE=str(tmp_path / 'cache'))
     run = subprocess.run([sys.executable, '-c', LAYER, str(cxx) + '.log'], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert run.returncode == 0, run.stderr

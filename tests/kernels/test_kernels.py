@@ -262,7 +262,6 @@ import tensorflow as tf
 from bn_reference import build_towers
 from conftest import make_session
 from tf1_syncbn import CollectiveBackend, kernels, sync_batch_norm
-from tf1_syncbn.kernels import cache
 graph = tf.Graph()
 with graph.as_default():
     net = build_towers(lambda x: sync_batch_norm(x, sync_statistics=CollectiveBackend(60)),
