@@ -199,7 +199,7 @@ from tf1_syncbn import DistributedOptimizer, audit_graph, sync_batch_norm  # noq
 from tf1_syncbn.audit import AuditReport  # noqa: E402
 from tf1_syncbn.distributed import (ClusterError, WorkerSession,  # noqa: E402
                                     average_across_workers, hard_exit, setup_cluster)
-from tf1_syncbn.restarts import restart_count  # noqa: E402
+from tf1_syncbn.launch.restarts import restart_count  # noqa: E402
 from tower import call_for_each_tower, get_current_tower_context  # noqa: E402
 
 tf1 = tf.compat.v1

@@ -62,6 +62,7 @@ from tf1_syncbn._core.moments import moments, weighted_moments
 from tf1_syncbn import export
 from tf1_syncbn import kernels as _kernels
 from tf1_syncbn.audit import report as _audit_report
+from tf1_syncbn.launch import restarts as _restarts
 
 __all__ = ['sync_batch_norm', 'BatchNorm', 'BatchRenorm', 'start_finetuning', 'SyncBackend',
            'SyncKey', 'CollectiveBackend', 'NcclBackend', 'HorovodBackend']
@@ -79,10 +80,12 @@ _kernels.register_cached()
 
 __version__ = '0.1.0'
 
-# A module path the docs named before the package layout (issue 34): the same
-# module object, so `tf1_syncbn.audit_report.AuditReport` keeps working.
+# Module paths of before a package layout (issues 34 and 44): the same module objects, so
+# `tf1_syncbn.audit_report.AuditReport` and `tf1_syncbn.restarts.restart_count` keep working.
 _sys.modules.setdefault(__name__ + '.audit_report', _audit_report)
 audit_report = _audit_report
+_sys.modules.setdefault(__name__ + '.restarts', _restarts)
+restarts = _restarts
 
 
 def __getattr__(name):

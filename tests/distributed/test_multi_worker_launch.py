@@ -11,13 +11,14 @@ import time
 import pytest
 
 from tf1_syncbn.launch import Launcher, launch, tf_config
-from tf1_syncbn.restarts import Restart, describe_exit, exit_status
+from tf1_syncbn.launch.restarts import Restart, describe_exit, exit_status
 
 #: Processes without TensorFlow: the TF2-behaviour pass only.
 pytestmark = pytest.mark.once
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LAUNCH = os.path.join(ROOT, 'tf1_syncbn', 'launch.py')
+#: The launcher run by its path, without the package (its folder: python runs __main__.py).
+LAUNCH = os.path.join(ROOT, 'tf1_syncbn', 'launch')
 
 # Worker 1 fails at once; worker 0 starts a grandchild in its process group and
 # then sleeps (or ignores SIGTERM); both print their pid and TF_CONFIG task.
@@ -451,7 +452,7 @@ def test_a_paused_launcher_names_the_root_cause_and_restarts_for_it():
 
 
 def test_long_lines_are_cut_at_word_boundaries_with_an_ellipsis():
-    from tf1_syncbn.restarts import shorten
+    from tf1_syncbn.launch.restarts import shorten
     # 313 characters: a third of the width for the start, the rest for the end.
     assert shorten(LOST % (0, 1)) == (
         'ERROR worker 0 (localhost:1111): a worker was lost during ... not answering: worker 1 '
@@ -466,7 +467,7 @@ def test_a_failure_noticed_after_a_later_one_becomes_the_root_cause():
     # The launcher's bookkeeping driven directly, with made-up end times: worker 0
     # (status 1 at t=10.5) is noticed first, then worker 1 (SIGKILL at t=10.0),
     # then worker 2, which the launcher had stopped.
-    from tf1_syncbn.restarts import WorkerExit
+    from tf1_syncbn.launch.restarts import WorkerExit
     out = _Lines()
     launcher = Launcher(['x'], 3, output=out, addresses=['a:1', 'b:2', 'c:3'], grace=7)
     for k, record in enumerate([WorkerExit(0, 1, 10.5), WorkerExit(1, -9, 10.0),

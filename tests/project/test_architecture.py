@@ -15,7 +15,10 @@ be listed, so a new one is placed on purpose. Besides:
   name starting with ``_`` from another, and no ``_`` module of it, except
   the library's internals (:data:`INTERNALS`: ``tf1_syncbn._core``,
   ``._sync``, ``._compute``), which its own packages import;
-* ``tower`` imports nothing of ``tf1_syncbn``.
+* ``tower`` imports nothing of ``tf1_syncbn``;
+* the top of ``tf1_syncbn/`` holds a dozen public modules at most, and no
+  package's ``__init__.py`` below it is over :data:`MAX_FACE_LINES` lines (a
+  face: its docstring and re-exports).
 """
 
 import ast
@@ -30,6 +33,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PACKAGES = ('tf1_syncbn', 'tower')
 #: The most modules right under tf1_syncbn/ (issue 34: "at most about a dozen").
 MAX_TOP_MODULES = 12
+#: The most lines of a package's ``__init__.py`` below ``tf1_syncbn/`` (issue 44: faces that
+#: only face; the logic lives in modules named for what they do).
+MAX_FACE_LINES = 100
 #: The library's private packages: its internals, which its own packages may import.
 INTERNALS = ('tf1_syncbn._core', 'tf1_syncbn._sync', 'tf1_syncbn._compute', 'tf1_syncbn._cli')
 
@@ -42,8 +48,9 @@ LAYERS = {
     'tower': set(),
     'tf1_syncbn.errors': set(),
     'tf1_syncbn.timeouts': set(),
-    # The launcher's restart policy (launch.py runs as a plain script too: no TensorFlow).
-    'tf1_syncbn.restarts': set(),
+    # python -m tf1_syncbn.launch, its supervisor and restart policy (it also runs by its
+    # path, without the package: the standard library only).
+    'tf1_syncbn.launch': set(),
     # The commands' parsers, answering --help before TensorFlow loads: the standard library.
     'tf1_syncbn._cli': set(),
     'tf1_syncbn.kernels': {'tf1_syncbn._cli'},
@@ -65,10 +72,10 @@ LAYERS = {
     'tf1_syncbn.audit': {'tf1_syncbn._cli', 'tf1_syncbn.backends', 'tf1_syncbn.errors', 'tower'},
     'tf1_syncbn.export': {'tf1_syncbn._core', 'tf1_syncbn._compute', 'tf1_syncbn.backends',
                           'tf1_syncbn.errors', 'tf1_syncbn.kernels'},
+    # (The launch package: the restart environment and the chief's start line.)
     'tf1_syncbn.distributed': {'tf1_syncbn._sync', 'tf1_syncbn.backends', 'tf1_syncbn.timeouts',
-                               'tf1_syncbn.errors', 'tf1_syncbn.restarts', 'tower'},
+                               'tf1_syncbn.errors', 'tf1_syncbn.launch', 'tower'},
     # What users import or run.
-    'tf1_syncbn.launch': {'tf1_syncbn.restarts'},
     # python -m tf1_syncbn.run: the front-ends' public patches, the audit, and the core's
     # patching (yielding) and keras2 (which Keras 2 package) only.
     'tf1_syncbn.run': {'tf1_syncbn._core', 'tf1_syncbn.audit', 'tf1_syncbn.layers',
@@ -248,6 +255,40 @@ def test_the_top_level_checker_finds_private_and_too_many_modules():
     many = ['tf1_syncbn.m%02d' % i for i in range(MAX_TOP_MODULES + 1)]
     assert len(top_level_problems(many)) == 1
     assert top_level_problems(many[:-1]) == []
+
+
+def face_problems(faces):
+    """What is wrong with the faces below ``tf1_syncbn``: ``faces`` is ``{package: the source of
+    its __init__.py}`` (``tf1_syncbn``'s own, the public API, is the top: not below it)."""
+    return ['%s/__init__.py has %d lines (at most %d): keep the face to its docstring and '
+            're-exports, and move the body into modules named for what they do' % (
+                name.replace('.', '/'), len(source.splitlines()), MAX_FACE_LINES)
+            for name, source in sorted(faces.items())
+            if name.startswith('tf1_syncbn.') and len(source.splitlines()) > MAX_FACE_LINES]
+
+
+def _faces():
+    """``{package: the source of its __init__.py}`` of the tree."""
+    faces = {}
+    for name, path in _modules().items():
+        if os.path.basename(path) == '__init__.py':
+            with open(path) as f:
+                faces[name] = f.read()
+    return faces
+
+
+def test_no_package_face_below_the_top_is_over_100_lines():
+    faces = _faces()
+    assert {'tf1_syncbn', 'tf1_syncbn.export', 'tf1_syncbn.launch', 'tower'} <= set(faces)
+    assert face_problems(faces) == []
+
+
+def test_the_face_checker_finds_a_long_init_below_the_top_only():
+    long, short = 'x = 1\n' * (MAX_FACE_LINES + 1), 'x = 1\n' * MAX_FACE_LINES
+    assert face_problems({'tf1_syncbn': long, 'tf1_syncbn.export': long,
+                          'tf1_syncbn.kernels': short, 'tower': long}) == [
+        'tf1_syncbn/export/__init__.py has 101 lines (at most 100): keep the face to its '
+        'docstring and re-exports, and move the body into modules named for what they do']
 
 
 def test_every_package_has_its_place_in_the_layers():

@@ -65,8 +65,9 @@ def test_only_the_package_commands_own_help_is_answered_early(capsys):
 def test_only_the_runner_is_started_early(monkeypatch):
     """``start_early`` replaces the process for ``-m tf1_syncbn.run`` only (never for a script)."""
     from tf1_syncbn import _cli  # noqa: PLC0415
+    from tf1_syncbn._cli import early  # noqa: PLC0415
     started = []
-    monkeypatch.setattr(_cli.importlib, 'import_module', lambda name: type(
+    monkeypatch.setattr(early.importlib, 'import_module', lambda name: type(
         'Runner', (), {'exec_runner': staticmethod(started.append)}))
     python = sys.executable
     for argv in ([python, '-m', 'tf1_syncbn.launch', '--workers', '1', '--', python, '-m',

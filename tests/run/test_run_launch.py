@@ -21,7 +21,7 @@ from unchanged import harness
 #: The launcher's process handling, whatever the TF behaviour: the TF2-behaviour pass only.
 pytestmark = pytest.mark.once
 
-LAUNCH = os.path.join(harness.ROOT, 'tf1_syncbn', 'launch.py')
+LAUNCH = os.path.join(harness.ROOT, 'tf1_syncbn', 'launch')
 
 
 def test_the_variable_switches_every_worker_the_launcher_starts(tmp_path):

@@ -42,6 +42,7 @@ __all__ = ['RestartLoop', 'Restart', 'WorkerExit', 'restart_env', 'restart_count
 RESTART_COUNT_ENV = 'TF1_SYNCBN_RESTART_COUNT'
 #: The launcher's ``--max-restarts``.
 MAX_RESTARTS_ENV = 'TF1_SYNCBN_MAX_RESTARTS'
+#: The exit status of a job stopped by its timeout (``--timeout``), as ``timeout(1)``'s.
 EXIT_TIMEOUT = 124
 
 _START = re.compile(r'^tf1_syncbn: (?P<worker>.+?) (?:resumed|started) at step (?P<step>\d+)'

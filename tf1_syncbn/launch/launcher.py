@@ -1,75 +1,11 @@
-"""Starts local worker processes, each with its own ``TF_CONFIG``, and never leaves one behind.
+"""The launcher: ``num_workers`` local worker processes, each under its supervisor.
 
-Command line (any program that reads ``TF_CONFIG``, for example one that calls
-:func:`tf1_syncbn.distributed.setup_cluster`)::
-
-    python -m tf1_syncbn.launch --workers 2 -- python train.py --towers 2
-
-Each worker gets a free localhost port and ``TF_CONFIG`` =
-``{"cluster": {"worker": [...]}, "task": {"type": "worker", "index": i}}``,
-and runs in its own process group. Its output is relayed line by line,
-prefixed with ``[worker i]``.
-
-With ``--gpus-per-worker K``, worker ``i`` also gets ``CUDA_VISIBLE_DEVICES``
-= GPUs ``i*K`` to ``i*K+K-1``, so that local workers never share a GPU
-(:func:`tf1_syncbn.distributed.setup_cluster` with ``device_type='GPU'`` then
-uses the first ``towers`` of them). When the launcher's own environment sets
-``CUDA_VISIBLE_DEVICES``, the workers split that list instead (positions
-``i*K`` to ``i*K+K-1`` of it), and a list too short for every worker is an
-error before any worker starts.
-
-When a worker exits with a non-zero status (or is killed), the others get
-``--grace`` seconds (default 30) to fail on their own (they do within their
-collective timeout, and say which worker was lost); then every process group
-still alive gets SIGTERM and, ``--kill-after`` seconds later (default 5),
-SIGKILL. SIGINT, SIGTERM or
-SIGHUP to the launcher stop every worker the same way. On Linux each worker
-also gets SIGKILL if the launcher itself dies (``PR_SET_PDEATHSIG``). The exit
-status is 0 when every worker exited with 0, else the root cause's status
-(128 + signal number for a signal; 124 when ``--timeout`` seconds, which
-bound the whole job, expired). ``--gpus-per-worker K`` is described above.
-
-The root cause is the worker that failed *first*, by the time it ended, not
-the first the launcher notices: when one worker dies, its peers fail on their
-own within seconds, and a launcher that looks late (a busy machine, a
-launcher paused by SIGSTOP) finds several ended at once. So each worker runs
-under a tiny supervisor process (this file, ``--supervise-worker``, see
-:func:`supervise`): it starts the worker in a session of its own, waits for
-it, and writes its pid, then its exit status and the ``time.time()`` at which
-it ended, to a pipe the launcher reads. Being a process of its own, it
-records the time even while the launcher is paused, and it is the worker's
-parent, so it records a SIGKILL too (the worker itself could not). The
-launcher names the root cause (``worker 1 killed by SIGKILL; the others get
-30 s ...``) and each other worker that then failed on its own as a
-consequence (``worker 0 exited with status 1, 0.84 s after worker 1 was
-killed by SIGKILL``); a worker it stopped itself is ``stopped by the
-launcher``. Before naming a root cause it waits (up to
-:data:`REPORT_TIMEOUT` s) for the report of every worker that has ended
-but whose supervisor has not written yet. The logged pid, :attr:`Launcher.pids`
-and the process group the launcher signals are the worker's; the
-supervisor ignores SIGTERM, SIGINT and SIGHUP (the launcher signals the
-worker's process group, not the supervisor), dies with the launcher, and
-takes the worker with it (``PR_SET_PDEATHSIG`` again).
-
-With ``--max-restarts N`` (default 0), a failed worker makes the launcher
-stop the others as above and then start every worker again, up to ``N``
-times (:mod:`tf1_syncbn.restarts`): each worker's environment then also has
-``TF1_SYNCBN_RESTART_COUNT`` (0 at the first start, ``k`` at the ``k``-th
-restart) and ``TF1_SYNCBN_MAX_RESTARTS``, and workers started on free ports
-get new ones. The restarted workers resume from the chief's latest complete
-checkpoint (:class:`tf1_syncbn.distributed.WorkerSession`). The launcher
-logs each restart (the worker, its exit cause, and the step and checkpoint
-the chief resumed from); once the job has failed ``N + 1`` times it stops
-with an error naming every restart's cause, and the last failure's status.
-A stop (a signal to the launcher, ``--timeout``) is never followed by a
-restart. See docs/restarts.md.
-
-This module imports nothing from TensorFlow; ``python path/to/launch.py``
-works without importing the package.
+See :mod:`tf1_syncbn.launch` for what it does; :class:`Launcher` runs one
+attempt of the job, :func:`launch` the whole job (its restarts:
+:mod:`~tf1_syncbn.launch.restarts`); each worker's process is started and
+watched by :mod:`~tf1_syncbn.launch.supervisor`. The standard library only.
 """
 
-import argparse
-import ctypes
 import json
 import os
 import select
@@ -81,25 +17,24 @@ import threading
 import time
 
 if __package__:
-    from tf1_syncbn.restarts import (RestartLoop, WorkerExit, describe_exit, exit_status,
-                                     first_failure, restart_env)
-else:   # python path/to/launch.py: the module next to this file, without the package
-    from restarts import (RestartLoop, WorkerExit, describe_exit, exit_status, first_failure,
-                          restart_env)
+    from tf1_syncbn.launch.restarts import (EXIT_TIMEOUT, RestartLoop, WorkerExit,
+                                            describe_exit, exit_status, first_failure,
+                                            restart_env)
+    from tf1_syncbn.launch import supervisor
+else:   # run by path (python path/to/tf1_syncbn/launch): the modules next to this file
+    from restarts import (EXIT_TIMEOUT, RestartLoop, WorkerExit, describe_exit, exit_status,
+                          first_failure, restart_env)
+    import supervisor
 
-__all__ = ['Launcher', 'launch', 'free_ports', 'tf_config', 'gpu_assignment', 'main',
-           'supervise']
+__all__ = ['Launcher', 'launch', 'free_ports', 'tf_config', 'gpu_assignment',
+           'DEFAULT_GRACE', 'DEFAULT_KILL_AFTER', 'SUPERVISOR_START_TIMEOUT', 'REPORT_TIMEOUT']
 
 DEFAULT_GRACE = 30.0
 DEFAULT_KILL_AFTER = 5.0
-EXIT_TIMEOUT = 124
-#: ``python launch.py --supervise-worker FD -- command...``: the per-worker supervisor.
-SUPERVISE = '--supervise-worker'
 #: Seconds a supervisor gets to start its worker and report the worker's pid.
 SUPERVISOR_START_TIMEOUT = 60.0
 #: Seconds the launcher waits for the report of a worker that has ended.
 REPORT_TIMEOUT = 5.0
-_THIS_FILE = os.path.abspath(__file__)
 
 
 def free_ports(n, host='localhost'):
@@ -155,73 +90,6 @@ def gpu_assignment(num_workers, gpus_per_worker, visible=None):
     return [','.join(ids[i * k:(i + 1) * k]) for i in range(num_workers)]
 
 
-def _die_with_parent(parent):
-    """preexec_fn: SIGKILL this child when the launcher dies (Linux)."""
-    def set_pdeathsig():
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            return
-        if os.getppid() != parent:   # the launcher died before prctl
-            os._exit(1)
-    return set_pdeathsig
-
-
-def _ignore(signum, frame):
-    del signum, frame
-
-
-def _write_line(fd, text):
-    os.write(fd, (text.replace('\n', ' ') + '\n').encode('utf-8', 'replace'))
-
-
-def supervise(report_fd, argv):
-    """Runs one worker and reports how and when it ended (the launcher's per-worker supervisor).
-
-    The launcher starts ``python -E -S launch.py --supervise-worker FD --
-    command...`` per worker (see the module docstring). This starts
-    ``command`` in a session of its own (so that its process group holds the
-    worker and what it starts), then writes to file descriptor ``report_fd``,
-    one line each: ``pid <the worker's pid>`` (or ``error <errno> <message>``
-    when it cannot be started), and, once the worker has ended, ``exit
-    <Popen.returncode> <time.time() when it ended>``. The time is taken
-    before the worker is reaped, so a worker whose pid is gone (not even a
-    zombie) has its time recorded. SIGTERM, SIGINT and
-    SIGHUP are ignored here (the worker gets the launcher's signals through
-    its process group); on Linux the worker gets SIGKILL if this process dies.
-
-    Args:
-      report_fd: a file descriptor the launcher reads (a pipe).
-      argv: the worker's command.
-
-    Returns:
-      The worker's exit status (128 + the signal number for a signal), 127
-      when it could not be started.
-
-    Hangs: as long as the worker runs.
-    """
-    os.set_inheritable(report_fd, False)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, _ignore)     # reset to the default in the worker by exec
-    preexec = _die_with_parent(os.getpid()) if sys.platform.startswith('linux') else None
-    try:
-        worker = subprocess.Popen(argv, start_new_session=True, preexec_fn=preexec)
-    except Exception as e:      # noqa: BLE001 - reported to the launcher, which raises it
-        _write_line(report_fd, 'error %d %s' % (getattr(e, 'errno', None) or 0,
-                                                getattr(e, 'strerror', None) or
-                                                '%s: %s' % (type(e).__name__, e)))
-        return 127
-    _write_line(report_fd, 'pid %d' % worker.pid)
-    if hasattr(os, 'waitid'):
-        # The time first, then reap: a worker whose pid is gone has its time recorded.
-        os.waitid(os.P_PID, worker.pid, os.WEXITED | os.WNOWAIT)
-    ended = time.time()
-    code = worker.wait()
-    _write_line(report_fd, 'exit %d %r' % (code, ended))
-    return exit_status(code)
-
-
 def _killpg(pgid, sig):
     try:
         os.killpg(pgid, sig)
@@ -242,7 +110,7 @@ def _ended(pid):
 
 
 class Launcher(object):
-    """Runs ``argv`` as ``num_workers`` local workers (see the module docstring).
+    """Runs ``argv`` as ``num_workers`` local workers (see :mod:`tf1_syncbn.launch`).
 
     Args:
       argv: the command of every worker (a list of strings).
@@ -270,12 +138,12 @@ class Launcher(object):
       exit_codes: per started worker (in the order of ``tasks``), its
         ``returncode`` once it exited.
       exits: per started worker (in the order of ``tasks``), its
-        :class:`~tf1_syncbn.restarts.WorkerExit` once it exited (how, when,
+        :class:`~tf1_syncbn.launch.restarts.WorkerExit` once it exited (how, when,
         whether the launcher had stopped it; its last line once :meth:`wait`
         returned), else None.
       failed: ``(worker, returncode)`` of the root cause: of the workers that
         failed on their own (not stopped by the launcher), the first to end
-        (:func:`~tf1_syncbn.restarts.first_failure` of ``exits``); None when
+        (:func:`~tf1_syncbn.launch.restarts.first_failure` of ``exits``); None when
         none failed.
       stopped: ``(reason, exit status)`` when :meth:`wait` stopped the workers
         (:meth:`request_stop`, or its timeout), else None.
@@ -379,11 +247,11 @@ class Launcher(object):
         return self
 
     def _start_supervisor(self, i, env, parent):
-        preexec = _die_with_parent(parent) if sys.platform.startswith('linux') else None
+        preexec = supervisor.die_with_parent(parent) if sys.platform.startswith('linux') else None
         report, write_end = os.pipe()
         try:
             proc = subprocess.Popen(
-                [sys.executable, '-E', '-S', _THIS_FILE, SUPERVISE, str(write_end), '--'] +
+                [sys.executable, '-E', '-S', supervisor.PATH, str(write_end), '--'] +
                 self.argv, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=preexec, pass_fds=(write_end,))
@@ -595,12 +463,12 @@ def launch(argv, num_workers, timeout=None, max_restarts=0, restarts=None, **kwa
       timeout: seconds before every worker is stopped (status 124), every
         restart included; None waits.
       max_restarts: how many times every worker is started again after a
-        failure (see the module docstring and :mod:`tf1_syncbn.restarts`).
+        failure (see :mod:`tf1_syncbn.launch` and :mod:`~tf1_syncbn.launch.restarts`).
       restarts: None, or a list that receives a
-        :class:`~tf1_syncbn.restarts.Restart` per restart.
+        :class:`~tf1_syncbn.launch.restarts.Restart` per restart.
 
     Returns:
-      The exit status (see the module docstring).
+      The exit status (see :mod:`tf1_syncbn.launch`).
     """
     base_env = dict(os.environ if kwargs.get('env') is None else kwargs['env'])
 
@@ -624,56 +492,3 @@ def launch(argv, num_workers, timeout=None, max_restarts=0, restarts=None, **kwa
             restarts.extend(job.restarts)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-
-
-def build_parser():
-    """The command line's parser (also for its ``--help`` before the package loads)."""
-    parser = argparse.ArgumentParser(
-        prog='python -m tf1_syncbn.launch',
-        description='Run a command as N local workers, each with its own TF_CONFIG; stop all '
-                    'of them when one fails.')
-    parser.add_argument('--workers', type=int, required=True, help='number of local workers')
-    parser.add_argument('--grace', type=float, default=DEFAULT_GRACE,
-                        help='seconds the others get to exit on their own after one fails')
-    parser.add_argument('--kill-after', type=float, default=DEFAULT_KILL_AFTER,
-                        help='seconds between SIGTERM and SIGKILL')
-    parser.add_argument('--timeout', type=float,
-                        help='stop every worker after this many s (restarts included)')
-    parser.add_argument('--max-restarts', type=int, default=0, metavar='N',
-                        help='when a worker fails, stop the others and start every worker '
-                             'again, up to N times (they resume from the chief\'s latest '
-                             'checkpoint)')
-    parser.add_argument('--gpus-per-worker', type=int, metavar='K',
-                        help='give worker i the GPUs i*K..i*K+K-1 (CUDA_VISIBLE_DEVICES; a '
-                             'slice of the launcher\'s own CUDA_VISIBLE_DEVICES when set)')
-    parser.add_argument('command', nargs=argparse.REMAINDER,
-                        help='the worker command (after --)')
-    return parser
-
-
-def main(argv=None):
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ['--'] else args.command
-    if not command:
-        parser.error('give the worker command after --')
-    if args.workers < 1:
-        parser.error('--workers must be at least 1')
-    if args.max_restarts < 0:
-        parser.error('--max-restarts must be at least 0')
-    if args.gpus_per_worker is not None:
-        try:
-            gpu_assignment(args.workers, args.gpus_per_worker,
-                           os.environ.get('CUDA_VISIBLE_DEVICES'))
-        except ValueError as e:
-            parser.error(str(e).replace('Launcher: ', '').replace('gpus_per_worker',
-                                                                 '--gpus-per-worker'))
-    return launch(command, args.workers, timeout=args.timeout, max_restarts=args.max_restarts,
-                  grace=args.grace,
-                  kill_after=args.kill_after, gpus_per_worker=args.gpus_per_worker)
-
-
-if __name__ == '__main__':
-    if sys.argv[1:2] == [SUPERVISE] and sys.argv[3:4] == ['--']:
-        sys.exit(supervise(int(sys.argv[2]), sys.argv[4:]))
-    sys.exit(main())
