@@ -24,7 +24,7 @@ import tensorflow as tf
 from tf1_syncbn._compute import math as _math
 from tf1_syncbn._sync.control_flow import enclosing_while_loop
 from tf1_syncbn._core.variables import assignable, read
-from tower.graph_state import get_graph_state
+from tf1_syncbn._graph.cache import graph_cache
 
 tf1 = tf.compat.v1
 
@@ -224,7 +224,7 @@ def share_updates(group, updates, updating, updates_collections, after=()):
         # (Inside a while loop, per-tower statistics: each tower's loop body is
         # a frame of its own, which no other tower's op can depend on.)
         return
-    shared = get_graph_state().slot('tf1_syncbn.updates', _SharedUpdates)
+    shared = graph_cache().slot('tf1_syncbn.updates', _SharedUpdates)
     key = (group.towers, group.call)
     if group.main:
         if updates:

@@ -12,14 +12,16 @@
   the verdict of :meth:`CallRegistry.run_time_verdict`, which the registry
   keeps current in the graph through its listeners.
 
-The registry lives on its graph (:mod:`tower.graph_state`), shared by the graph's
-``tf.cond`` branches.
+The registry lives on its graph (:mod:`tf1_syncbn._graph.cache`), shared by the
+graph's ``tf.cond`` branches; it checks the towers when they exit through
+the tower contexts' exit hooks (:mod:`tower.graph_state`).
 """
 
 import collections
 
 from tf1_syncbn.backends import stable_hash
 from tower import strip_tower_prefix
+from tf1_syncbn._graph.cache import graph_cache
 from tower.graph_state import get_graph_state
 
 __all__ = ['CallRegistry', 'get_registry', 'base_name']
@@ -235,14 +237,12 @@ class CallRegistry(object):
 
 def get_registry(graph=None):
     """The :class:`CallRegistry` of ``graph``'s root graph (default: the current graph)."""
-    state = get_graph_state(graph)
-
     def create():
         registry = CallRegistry()
-        state.tower_exit_hooks.append(registry.on_tower_exit)
+        get_graph_state(graph).tower_exit_hooks.append(registry.on_tower_exit)
         return registry
 
-    return state.slot('tf1_syncbn.registry', create)
+    return graph_cache(graph).slot('tf1_syncbn.registry', create)
 
 
 def base_name(layer_scope, ctx):

@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf1_syncbn._core.options import replaced_layer_is_fused
-from tower.graph_state import get_graph_state
+from tf1_syncbn._graph.cache import graph_cache
 
 __all__ = ['BASE_NAME', 'DTYPES', 'tf_layers_runs_fused_kernel', 'unique_layer_name',
            'check_axis_type', 'check_callable', 'channel_axes',
@@ -59,7 +59,7 @@ def tf_layers_runs_fused_kernel(fused, rank, axes, renorm, virtual_batch_size, a
 
 def unique_layer_name(graph):
     """``batch_normalization_<n>``, numbered per graph from 1, as Keras names unnamed layers."""
-    counter = get_graph_state(graph).slot('tf1_syncbn.layers.names', lambda: [0])
+    counter = graph_cache(graph).slot('tf1_syncbn.layers.names', lambda: [0])
     counter[0] += 1
     return '%s_%d' % (BASE_NAME, counter[0])
 
