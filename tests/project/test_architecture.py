@@ -31,10 +31,10 @@ PACKAGES = ('tf1_syncbn', 'tower')
 #: The most modules right under tf1_syncbn/ (issue 34: "at most about a dozen").
 MAX_TOP_MODULES = 12
 #: The library's private packages: its internals, which its own packages may import.
-INTERNALS = ('tf1_syncbn._core', 'tf1_syncbn._sync', 'tf1_syncbn._compute', 'tf1_syncbn._graph',
-             'tf1_syncbn._cli')
+INTERNALS = ('tf1_syncbn._frontend', 'tf1_syncbn._core', 'tf1_syncbn._sync', 'tf1_syncbn._compute',
+             'tf1_syncbn._graph', 'tf1_syncbn._cli')
 
-_FRONT_END = {'tf1_syncbn._core', 'tf1_syncbn._graph', 'tf1_syncbn.backends', 'tf1_syncbn.errors',
+_FRONT_END = {'tf1_syncbn._frontend', 'tf1_syncbn.backends', 'tf1_syncbn.errors',
               'tf1_syncbn.timeouts', 'tower'}
 #: What imports what: package -> the packages it may import (besides itself).
 #: ``'*'``: every package (what users import or run reaches anything).
@@ -61,11 +61,14 @@ LAYERS = {
     'tf1_syncbn._core': {'tf1_syncbn._sync', 'tf1_syncbn._compute', 'tf1_syncbn.kernel_sets',
                          'tf1_syncbn.backends', 'tf1_syncbn.timeouts', 'tf1_syncbn.errors',
                          'tf1_syncbn._graph', 'tower'},
-    # The front-ends: the core and the public leaves, never each other.
+    # What the front-ends share: their two doors (building a call, patching) and the kit.
+    'tf1_syncbn._frontend': {'tf1_syncbn._core', 'tf1_syncbn._graph', 'tf1_syncbn.errors'},
+    # The front-ends: the core through the kit's doors, and the public leaves, never each other.
     'tf1_syncbn.slim': _FRONT_END,
     'tf1_syncbn.tensorpack': _FRONT_END,
     'tf1_syncbn.layers': _FRONT_END,
     'tf1_syncbn.keras': _FRONT_END,
+    'tf1_syncbn.nn': _FRONT_END,
     # Beside the layers: the audit reads graphs only (not the core that builds them).
     'tf1_syncbn.audit': {'tf1_syncbn._cli', 'tf1_syncbn.backends', 'tf1_syncbn.errors', 'tower'},
     'tf1_syncbn.export': {'tf1_syncbn._core', 'tf1_syncbn._compute', 'tf1_syncbn.backends',
@@ -74,9 +77,9 @@ LAYERS = {
                                'tf1_syncbn.errors', 'tf1_syncbn.restarts', 'tower'},
     # What users import or run.
     'tf1_syncbn.launch': {'tf1_syncbn.restarts'},
-    # python -m tf1_syncbn.run: the front-ends' public patches, the audit, and the core's
-    # patching (yielding) and keras2 (which Keras 2 package) only.
-    'tf1_syncbn.run': {'tf1_syncbn._core', 'tf1_syncbn.audit', 'tf1_syncbn.layers',
+    # python -m tf1_syncbn.run: the front-ends' public patches, the audit, and the
+    # front-ends' patching door (yielding, which Keras 2 package).
+    'tf1_syncbn.run': {'tf1_syncbn._frontend', 'tf1_syncbn.audit', 'tf1_syncbn.layers',
                        'tf1_syncbn.slim', 'tf1_syncbn.tensorpack', 'tf1_syncbn.keras'},
     'tf1_syncbn.selftest': '*',
     'tf1_syncbn': '*',
@@ -337,9 +340,10 @@ def test_the_checkers_find_each_kind_of_violation():
 
 def test_the_checkers_pass_a_tree_that_keeps_the_rules():
     tree = {'tower': '', 'tower.context': 'import tower.graph_state\n', 'tower.graph_state': '',
-            'tf1_syncbn._core': '', 'tf1_syncbn.slim': '',
-            'tf1_syncbn._core.call': 'from tower.graph_state import get_graph_state\n',
-            'tf1_syncbn.slim.layer': ('from tf1_syncbn._core.call import batch_norm\n'
+            'tf1_syncbn._core': '', 'tf1_syncbn.slim': '', 'tf1_syncbn._frontend': '',
+            'tf1_syncbn._core.call': 'from tower.graph_state import root_graph\n',
+            'tf1_syncbn._frontend.building': 'from tf1_syncbn._core.call import batch_norm\n',
+            'tf1_syncbn.slim.layer': ('from tf1_syncbn._frontend.building import batch_norm\n'
                                       'from tf1_syncbn.slim import _helper\n'),
             'tf1_syncbn.slim._helper': ''}
     assert layering_violations(tree) == [] and private_violations(tree) == []

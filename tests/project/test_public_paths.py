@@ -36,6 +36,8 @@ PUBLIC = {
                         'patch_slim_batch_norm', 'is_slim_batch_norm', 'patch_slim'],
     'tf1_syncbn.run': ['ENVIRONMENT_VARIABLE', 'STRICT_EXIT_STATUS', 'BACKENDS', 'build_parser'],
     'tf1_syncbn.layers': ['BatchNormalization', 'batch_normalization', 'patch_tf_layers'],
+    # Hand-written batch norm's front-end (issue 44: was the private tf1_syncbn._core.moments).
+    'tf1_syncbn.nn': ['moments', 'weighted_moments'],
     'tf1_syncbn.keras': ['BatchNormalization', 'BatchNormalizationV1', 'patch_keras',
                          'KERAS_PACKAGE', 'KERAS_BATCH_NORMALIZATION',
                          'KERAS_BATCH_NORMALIZATION_V1'],

@@ -11,19 +11,17 @@ import warnings
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util_v2
 
-from tf1_syncbn._core import keras2 as _keras2
-from tf1_syncbn._core.axes import adjustment_in_view, from_view, needs_view, plan_view, to_view
-from tf1_syncbn._core.call import batch_norm
-from tf1_syncbn._core.keras2 import ghost_batches_in_training
+from tf1_syncbn._frontend.building import (Params, RenormVariables, adjustment_in_view,
+                                           batch_norm, check_inputs, check_options, from_view,
+                                           ghost_batches_in_training, keras2_package, needs_view,
+                                           plan_view, to_view)
 from tf1_syncbn.keras.rules import (check_keras_graph, in_keras_model_build, is_model_graph_call,
                                     keras_channel_axes, statistics_aggregation, training_value)
-from tf1_syncbn._core.options import check_inputs, check_options
-from tf1_syncbn._core.variables import Params, RenormVariables
 
 #: The Keras 2 package whose layers this module subclasses: ``tf_keras``, or
 #: ``keras`` where ``tf.keras`` is Keras 2.15 (TensorFlow 2.15 without
-#: ``TF_USE_LEGACY_KERAS``); see :mod:`tf1_syncbn._core.keras2`.
-KERAS_PACKAGE = _keras2.package()
+#: ``TF_USE_LEGACY_KERAS``); see :mod:`tf1_syncbn._frontend.keras2`.
+KERAS_PACKAGE = keras2_package()
 try:
     importlib.import_module(KERAS_PACKAGE)
     _keras_layer_utils = importlib.import_module(KERAS_PACKAGE + '.src.engine.base_layer_utils')
@@ -131,7 +129,7 @@ class _Synchronized(object):
         weights = self._mask_weights(layer, mask, rank)
         one_device = is_model_graph_call(self._called_on(inputs)) or in_keras_model_build()
         # Axes other than one channel axis 1 or last: the core normalizes a view
-        # of the input in which they are one channel axis (tf1_syncbn._core.axes).
+        # of the input in which they are one channel axis (tf1_syncbn._frontend.axes).
         view, source, adjustment = None, x, self.adjustment
         if needs_view(rank, axes):
             view = plan_view(rank, axes, x.shape.as_list(), keep_batch=vbs is not None)
@@ -260,7 +258,7 @@ class BatchNormalization(_Synchronized, KERAS_BATCH_NORMALIZATION):
       tensor (``keras.Input(tensor=x)``) is that tower's;
     * **axes**: every form tf-keras takes (a middle axis, several axes, with
       ``virtual_batch_size``) but the batch axis 0, through a view of the
-      input (:mod:`tf1_syncbn._core.axes`).
+      input (:mod:`tf1_syncbn._frontend.axes`).
 
     The arguments from ``axis`` to ``gamma_constraint`` are tf-keras' own, with
     its defaults.

@@ -6,7 +6,7 @@ hold the channels, whether the call builds the model's own one-device graph;
 and how its ``build`` aggregates the moving statistics under a
 ``tf.distribute`` strategy when the layer has sync groups.
 (Whether the batch is split into ghost batches is tf.layers' rule, the same
-code: :func:`tf1_syncbn._core.keras2.ghost_batches_in_training`.) Nothing here imports
+code: :func:`tf1_syncbn._frontend.keras2.ghost_batches_in_training`.) Nothing here imports
 tf-keras: the layer passes in what it read from tf-keras.
 """
 
@@ -57,7 +57,7 @@ def keras_channel_axes(layer, axes, axis_argument, virtual_batch_size):
 
     Returns:
       A list of ints in ``[1, rank)``: one channel axis 1 or last goes to the
-      core as it is, any other form through a view (:mod:`tf1_syncbn._core.axes`).
+      core as it is, any other form through a view (:mod:`tf1_syncbn._frontend.axes`).
 
     Raises:
       ValueError: for the batch axis 0, which normalizes every example by

@@ -12,8 +12,7 @@ import numbers
 import numpy as np
 import tensorflow as tf
 
-from tf1_syncbn._core.options import replaced_layer_is_fused
-from tf1_syncbn._graph.cache import graph_cache
+from tf1_syncbn._frontend.building import graph_cache, replaced_layer_is_fused
 
 __all__ = ['BASE_NAME', 'DTYPES', 'tf_layers_runs_fused_kernel', 'unique_layer_name',
            'check_axis_type', 'check_callable', 'channel_axes',

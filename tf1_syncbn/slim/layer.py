@@ -5,11 +5,11 @@ from tf_slim.layers import utils as slim_utils
 from tf_slim.ops import variables as slim_variables
 from tf_slim.ops.arg_scope import add_arg_scope
 
-from tf1_syncbn._core.call import batch_norm
-from tf1_syncbn._core.options import (check_dict_keys, check_graph_mode, check_inputs,
-                                      check_options, replaced_layer_is_fused)
-from tf1_syncbn._core.variables import (FINETUNE_COUNTERS, STATISTICS_AGGREGATION, Params,
-                                        RenormVariables, received_variables, zero_debias_variables)
+from tf1_syncbn._frontend.building import (FINETUNE_COUNTERS, STATISTICS_AGGREGATION, Params,
+                                           RenormVariables, batch_norm, check_dict_keys,
+                                           check_graph_mode, check_inputs, check_options,
+                                           received_variables, replaced_layer_is_fused,
+                                           zero_debias_variables)
 
 __all__ = ['sync_batch_norm']
 

@@ -73,8 +73,8 @@ import sys
 
 from tf_slim.ops import arg_scope as slim_arg_scope
 
-from tf1_syncbn._core.modules import loaded_modules, namespace
-from tf1_syncbn._core.patching import Name, Patch, getattr_path, verify
+from tf1_syncbn._frontend.patching import (Name, Patch, getattr_path, loaded_modules, namespace,
+                                           verify)
 from tf1_syncbn.slim.layer import sync_batch_norm
 
 __all__ = ['sync_arg_scope', 'convert_arg_scope', 'patch_slim_batch_norm',
@@ -381,7 +381,7 @@ _INSTEAD = ('pass normalizer_fn=tf1_syncbn.sync_batch_norm in the model\'s arg s
 
 
 def _user_names(patched):
-    """How a slim model reaches batch norm inside the block (:mod:`tf1_syncbn._core.patching`).
+    """How a slim model reaches batch norm inside the block (:mod:`tf1_syncbn._frontend.patching`).
 
     ``slim.batch_norm``, ``slim.layers.batch_norm`` and the module attribute
     that ``tf_slim.nets`` call (``tf_slim.layers.layers.batch_norm``), with

@@ -6,11 +6,10 @@ import types
 
 import tensorflow as tf
 
-from tf1_syncbn._core.call import batch_norm
-from tf1_syncbn._core.options import (check_graph_mode, check_inputs, check_options,
-                                      replaced_layer_is_fused)
-from tf1_syncbn._core.variables import (FINETUNE_COUNTERS, STATISTICS_AGGREGATION, Params,
-                                        RenormVariables, assignable, received_variables)
+from tf1_syncbn._frontend.building import (FINETUNE_COUNTERS, STATISTICS_AGGREGATION, Params,
+                                           RenormVariables, assignable, batch_norm,
+                                           check_graph_mode, check_inputs, check_options,
+                                           received_variables, replaced_layer_is_fused)
 from tf1_syncbn.tensorpack.api import tensorpack_layer
 from tower import get_current_tower_context
 

@@ -7,8 +7,7 @@ tensorpack is imported only when :func:`patch_tensorpack` is called.
 import importlib
 import inspect
 
-from tf1_syncbn._core.modules import loaded_modules, namespace
-from tf1_syncbn._core.patching import Name, Patch, getattr_path
+from tf1_syncbn._frontend.patching import Name, Patch, getattr_path, loaded_modules, namespace
 from tf1_syncbn.tensorpack.api import _DEFAULTS, _LAYER_NAMES, _LAYERS, _LOCK
 
 __all__ = ['patch_tensorpack']
