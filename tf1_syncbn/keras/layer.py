@@ -15,8 +15,10 @@ from tf1_syncbn._frontend.building import (Params, RenormVariables, adjustment_i
                                            batch_norm, check_inputs, check_options, from_view,
                                            ghost_batches_in_training, keras2_package, needs_view,
                                            plan_view, to_view)
-from tf1_syncbn.keras.rules import (check_keras_graph, in_keras_model_build, is_model_graph_call,
-                                    keras_channel_axes, statistics_aggregation, training_value)
+from tf1_syncbn.keras.rules import (ARG_NAMES, check_keras_graph, in_keras_model_build,
+                                    is_model_graph_call, keras_channel_axes,
+                                    statistics_aggregation, sync_config, training_value,
+                                    v1_axis_and_fused)
 
 #: The Keras 2 package whose layers this module subclasses: ``tf_keras``, or
 #: ``keras`` where ``tf.keras`` is Keras 2.15 (TensorFlow 2.15 without
@@ -136,7 +138,7 @@ class _Synchronized(object):
             x, adjustment = to_view(x, view), adjustment_in_view(adjustment, x, view)
         renorm = bool(self.renorm)
         options = check_options(
-            layer, arg_names={'is_training': 'training'},
+            layer, arg_names=ARG_NAMES,
             axis=view.axis if view is not None else axes[0], is_training=training,
             momentum=self.momentum, epsilon=self.epsilon, center=self.center, scale=self.scale,
             fused=False if self._fused_argument is False or weights is not None else None,
@@ -208,19 +210,10 @@ class _Synchronized(object):
             renorm = RenormVariables(self.renorm_mean, self.renorm_stddev, self.moving_stddev)
         return Params(self.beta, self.gamma, self.moving_mean, self.moving_variance, renorm)
 
-    def _sync_config(self, config):
-        """tf-keras' config, plus this layer's arguments where they are not the defaults."""
-        for name in ('num_dev', 'group_size'):
-            if getattr(self, name) is not None:
-                config[name] = getattr(self, name)
-        spec = self.sync_statistics
-        if spec is None or (isinstance(spec, str) and spec != 'auto'):
-            config['sync_statistics'] = spec
-        elif not isinstance(spec, str):
-            warnings.warn('%s: sync_statistics=%r is an object and cannot be serialized; it is '
-                          "left out of the config (a layer made from it uses 'auto')."
-                          % (self._layer_label(), spec))
-        return config
+    def get_config(self):
+        """tf-keras' config, plus :func:`~tf1_syncbn.keras.rules.sync_config`'s arguments."""
+        return sync_config(super().get_config(), self._layer_label(), self.sync_statistics,
+                           self.num_dev, self.group_size)
 
 
 class BatchNormalization(_Synchronized, KERAS_BATCH_NORMALIZATION):
@@ -307,9 +300,6 @@ class BatchNormalization(_Synchronized, KERAS_BATCH_NORMALIZATION):
             synchronized=synchronized, **kwargs)
         self._init_sync(sync_statistics, num_dev, axis, kwargs.get('fused'), group_size)
 
-    def get_config(self):
-        return self._sync_config(super().get_config())
-
 
 class BatchNormalizationV1(_Synchronized, KERAS_BATCH_NORMALIZATION_V1):
     """tf-keras' v1 ``BatchNormalization``, synchronized (see :class:`BatchNormalization`).
@@ -329,11 +319,8 @@ class BatchNormalizationV1(_Synchronized, KERAS_BATCH_NORMALIZATION_V1):
 
     def __init__(self, *args, sync_statistics='auto', num_dev=None, group_size=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self._init_sync(sync_statistics, num_dev, args[0] if args else kwargs.get('axis', -1),
-                        args[16] if len(args) > 16 else kwargs.get('fused'), group_size)
-
-    def get_config(self):
-        return self._sync_config(super().get_config())
+        axis, fused = v1_axis_and_fused(args, kwargs)
+        self._init_sync(sync_statistics, num_dev, axis, fused, group_size)
 
 
 # tf-keras' v1 class is named BatchNormalization too: Keras derives the default

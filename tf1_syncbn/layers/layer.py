@@ -8,7 +8,7 @@ from tf1_syncbn._frontend.building import (STATISTICS_AGGREGATION, Params, Renor
                                            ghost_batches_in_training, needs_view,
                                            parameter_shape, plan_view, received_variables,
                                            to_view)
-from tf1_syncbn.layers.rules import (BASE_NAME, DTYPES, channel_axes, check_axis_type,
+from tf1_syncbn.layers.rules import (ARG_NAMES, BASE_NAME, DTYPES, channel_axes, check_axis_type,
                                      check_callable, check_rank_of_reuse,
                                      tf_layers_runs_fused_kernel, training_value, unique_layer_name)
 
@@ -281,7 +281,7 @@ class BatchNormalization(object):
             x, adjustment = to_view(x, view), adjustment_in_view(adjustment, x, view)
         ghost = vbs if ghost_batches_in_training(training) else None
         options = check_options(
-            layer, arg_names={'is_training': 'training'},
+            layer, arg_names=ARG_NAMES,
             axis=view.axis if view is not None else (axes[0] if axes else None),
             is_training=training, momentum=self.momentum, epsilon=self.epsilon,
             center=self.center, scale=self.scale, fused=self._fused_hint, renorm=self.renorm,

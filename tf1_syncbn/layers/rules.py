@@ -1,7 +1,8 @@
 """tf.layers' rules for batch normalization, as :mod:`tf1_syncbn.layers` translates them.
 
 What tf-keras' legacy ``BatchNormalization`` (``tf.compat.v1.layers``) decides
-from its arguments before it computes anything: which axis holds the channels,
+from its arguments before it computes anything: its names for the core's
+options (:data:`ARG_NAMES`), which axis holds the channels,
 whether it runs TensorFlow's fused kernel, how it names unnamed layers, which
 initializers, regularizers and constraints it accepts. Errors name the layer
 (with its scope) and the argument as the user spelled it.
@@ -14,12 +15,14 @@ import tensorflow as tf
 
 from tf1_syncbn._frontend.building import graph_cache, replaced_layer_is_fused
 
-__all__ = ['BASE_NAME', 'DTYPES', 'tf_layers_runs_fused_kernel', 'unique_layer_name',
+__all__ = ['ARG_NAMES', 'BASE_NAME', 'DTYPES', 'tf_layers_runs_fused_kernel', 'unique_layer_name',
            'check_axis_type', 'check_callable', 'channel_axes',
            'training_value', 'check_rank_of_reuse']
 
 tf1 = tf.compat.v1
 
+#: The core's option -> tf.layers' argument, where they differ.
+ARG_NAMES = {'is_training': 'training'}
 #: The variable scope (and name) of unnamed layers: ``batch_normalization``, ``_1``, ...
 BASE_NAME = 'batch_normalization'
 #: The input types the layer takes (and its ``dtype`` argument).
