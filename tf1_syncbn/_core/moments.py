@@ -2,7 +2,7 @@
 
 What :func:`tf1_syncbn.nn.moments` and ``weighted_moments`` (the front-end,
 which checks the user's arguments) build through the core, as a layer call
-does: its tower and group (:func:`tf1_syncbn._sync.group.find_group`),
+does: its call site and group (:func:`tf1_syncbn._sync.group.find_call_site`),
 its plan (:func:`tf1_syncbn._sync.plan.plan_sync`: the registry, the run-time
 check, the watchdog), the float64 combine of :mod:`tf1_syncbn._compute.math`
 and the differentiable all-reduce of
@@ -27,7 +27,7 @@ import tensorflow as tf
 from tf1_syncbn._compute import math as _math
 from tf1_syncbn._compute.engine import all_reduce_with_gradient
 from tf1_syncbn._compute.xla import outside_xla_clusters
-from tf1_syncbn._sync.group import check_untowered_copies, find_group
+from tf1_syncbn._sync.group import check_untowered_copies, find_call_site
 from tf1_syncbn._sync.member_shapes import RESTART, Messages, checked_dims
 from tf1_syncbn._sync.plan import plan_sync
 
@@ -81,8 +81,8 @@ def global_moments(x, axes, weights, keepdims, options, label, scope_name):
     if 0 in axes and training is not False:
         # The variable scope names the call for the towers (it creates nothing).
         with tf1.variable_scope(scope_name, auxiliary_name_scope=False) as scope:
-            group = find_group(options)
-            plan = plan_sync(options, group)
+            site = find_call_site(options)
+            plan = plan_sync(options, site)
     kept_axes = [a for a in range(rank) if a not in axes]
     kept = [tf.compat.dimension_value(x.shape[a]) for a in kept_axes]
     compute = tf.float64 if x.dtype.base_dtype == tf.float64 else tf.float32
@@ -90,7 +90,7 @@ def global_moments(x, axes, weights, keepdims, options, label, scope_name):
     wc = None if weights is None else tf.cast(weights, compute) + tf.zeros_like(xc)
     count, shift, mean_s, m2 = _local(xc, axes, wc)
     if 0 in axes and training is not False:  # copies of one layer in an unnamed loop
-        check_untowered_copies(options, group, scope.name, count, hand_written=True)
+        check_untowered_copies(options, site, scope.name, count, hand_written=True)
     reduced_shape = tf.shape(shift)          # the kept axes, 1 in the reduced ones
     size = tf.size(shift) if None in kept else _product(kept)
     flat = [tf.reshape(t, [-1]) for t in (count, shift, mean_s, m2)]

@@ -100,7 +100,7 @@ def checked_dims(plan, slot, tensor, static, dims, messages, direction):
 
 def _all_reduced_check(plan, k, dims, messages, direction):
     """Every member's ``dims``, all-reduced, asserted equal."""
-    members = max(plan.group_size, plan.member + 1)
+    members = max(plan.num_members, plan.member + 1)
     values = tf.cast(dims, tf.float64)
     slots = tf.one_hot(plan.member, members, dtype=tf.float64)[:, None] * values[None, :]
     packed = tf.concat([tf.ones([1], tf.float64), values, values * values,

@@ -27,7 +27,7 @@ from tower.graph_state import get_graph_state
 __all__ = ['CallRegistry', 'get_registry', 'base_name']
 
 
-class _Member(collections.namedtuple('_Member', ['device', 'backend', 'layer', 'group_size'])):
+class _Member(collections.namedtuple('_Member', ['device', 'backend', 'layer', 'num_members'])):
     pass
 
 
@@ -116,13 +116,13 @@ class CallRegistry(object):
                     'must use the same backend; pass sync_statistics explicitly.'
                     % (key.layer, tower_index, key.name, backend, index, member.backend))
             # (A tower alone in its sync group joins no all-reduce.)
-            if key.device and member.device == key.device and key.group_size > 1 and \
-                    member.group_size > 1:
+            if key.device and member.device == key.device and key.num_members > 1 and \
+                    member.num_members > 1:
                 raise ValueError(
                     '%s: towers %d and %d are both on device %s. Two members of one '
                     'all-reduce on one device would abort the process; place each tower on '
                     'its own device.' % (key.layer, index, tower_index, key.device))
-        members[tower_index] = _Member(key.device, backend, key.layer, key.group_size)
+        members[tower_index] = _Member(key.device, backend, key.layer, key.num_members)
         self._totals[key.name] = total
         self._labels[key.name] = labels or None
         if track:
