@@ -73,12 +73,29 @@ def full_name_scope(graph=None):
     return '/'.join(p for p in reversed(parts) if p)
 
 
-def get_graph_state(graph=None):
-    """Returns the :class:`GraphState` of ``graph``'s outermost graph (default: current)."""
+def root_graph_attribute(attribute, factory, graph=None):
+    """The object kept as ``attribute`` on ``graph``'s outermost graph, made by ``factory()``.
+
+    Made on first use, under one process lock; kept on the graph object, so
+    it lives and dies with the graph (see the module docstring). The
+    towers' state is one (:func:`get_graph_state`); another library keeps its
+    own under an attribute of its own (``tf1_syncbn``'s per-graph cache).
+
+    Args:
+      attribute: the attribute's name, private to its owner
+        (``'_tf1_syncbn_graph_state'``).
+      factory: a callable without arguments.
+      graph: a graph (default: the current graph).
+    """
     graph = root_graph(graph)
     with _LOCK:
-        state = getattr(graph, _ATTRIBUTE, None)
-        if state is None:
-            state = GraphState()
-            setattr(graph, _ATTRIBUTE, state)
-        return state
+        value = getattr(graph, attribute, None)
+        if value is None:
+            value = factory()
+            setattr(graph, attribute, value)
+        return value
+
+
+def get_graph_state(graph=None):
+    """Returns the :class:`GraphState` of ``graph``'s outermost graph (default: current)."""
+    return root_graph_attribute(_ATTRIBUTE, GraphState, graph)

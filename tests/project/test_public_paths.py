@@ -74,7 +74,8 @@ PUBLIC = {
               'tower_index_from_name', 'call_for_each_tower', 'average_gradients',
               'virtual_cpu_config', 'register_tower_pattern', 'unregister_tower_pattern',
               'tower_patterns', 'graph_state', 'harness', 'context', 'training'],
-    'tower.graph_state': ['GraphState', 'get_graph_state', 'root_graph', 'full_name_scope'],
+    'tower.graph_state': ['GraphState', 'get_graph_state', 'root_graph', 'full_name_scope',
+                          'root_graph_attribute'],
 }
 
 #: ``python -m <module> --help`` for each command of the docs.

@@ -10,21 +10,19 @@ alive through the ops its values hold, even with weak keys.
 
 The branches of ``tf.cond``/``tf.while_loop`` (control flow v2) and traced
 functions are built in ``FuncGraph``\\ s nested in the model's graph; they share
-the cache of their outermost graph (:func:`tower.graph_state.root_graph`),
-since they are part of the same model.
+the cache of their outermost graph, since they are part of the same model
+(:func:`tower.graph_state.root_graph_attribute` keeps it there, as it keeps
+the towers' state).
 
 What towers keep per graph (the entered towers, their exit hooks) is
 :mod:`tower.graph_state`'s, beside this.
 """
 
-import threading
-
-from tower.graph_state import root_graph
+from tower.graph_state import root_graph_attribute
 
 __all__ = ['GraphCache', 'graph_cache']
 
 _ATTRIBUTE = '_tf1_syncbn_cache'
-_LOCK = threading.Lock()
 
 
 class GraphCache(object):
@@ -47,10 +45,4 @@ class GraphCache(object):
 
 def graph_cache(graph=None):
     """Returns the :class:`GraphCache` of ``graph``'s outermost graph (default: current)."""
-    graph = root_graph(graph)
-    with _LOCK:
-        cache = getattr(graph, _ATTRIBUTE, None)
-        if cache is None:
-            cache = GraphCache()
-            setattr(graph, _ATTRIBUTE, cache)
-        return cache
+    return root_graph_attribute(_ATTRIBUTE, GraphCache, graph)

@@ -89,27 +89,25 @@ _SYNC_KEY = slim_arg_scope.arg_scope_func_key(sync_batch_norm)
 _SLIM_KEY = slim_arg_scope.arg_scope_func_key(_ORIGINAL_BATCH_NORM)
 
 
-def is_slim_batch_norm(fn):
-    """True when ``fn`` is tf-slim's ``batch_norm`` (under any of its module names)."""
+def _is(fn, function, key):
+    """Whether ``fn`` is ``function``, or what arg scopes key as it (``key``)."""
     if fn is None:
         return False
-    if fn is _ORIGINAL_BATCH_NORM:
+    if fn is function:
         return True
     try:
-        return slim_arg_scope.arg_scope_func_key(fn) == _SLIM_KEY
+        return slim_arg_scope.arg_scope_func_key(fn) == key
     except (TypeError, AttributeError):
         return False
+
+
+def is_slim_batch_norm(fn):
+    """True when ``fn`` is tf-slim's ``batch_norm`` (under any of its module names)."""
+    return _is(fn, _ORIGINAL_BATCH_NORM, _SLIM_KEY)
 
 
 def _is_sync_batch_norm(fn):
-    if fn is None:
-        return False
-    if fn is sync_batch_norm:
-        return True
-    try:
-        return slim_arg_scope.arg_scope_func_key(fn) == _SYNC_KEY
-    except (TypeError, AttributeError):
-        return False
+    return _is(fn, sync_batch_norm, _SYNC_KEY)
 
 
 def _check_scope(scope, what):
