@@ -58,7 +58,7 @@ from tf1_syncbn.distributed import (Cluster, ClusterError, DistributedOptimizer,
                                     WorkerLostError, WorkerSession, all_reduce_gradients,
                                     average_across_workers, broadcast_variables, setup_cluster)
 from tf1_syncbn.audit import audit_graph
-from tf1_syncbn._core.moments import moments, weighted_moments
+from tf1_syncbn.nn import moments, weighted_moments
 from tf1_syncbn import export
 from tf1_syncbn import kernels as _kernels
 from tf1_syncbn.audit import report as _audit_report

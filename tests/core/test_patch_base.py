@@ -1,4 +1,4 @@
-"""The one base of the four patches (``tf1_syncbn._core.patching.Patch``), on a stand-in module.
+"""The one base of the four patches (``tf1_syncbn._frontend.patching.Patch``), on a stand-in module.
 
 What every patch gets from it: changes undone in reverse order, once; an
 ``_apply`` that raises leaves nothing changed; one active patch per
@@ -16,7 +16,7 @@ import types
 import pytest
 
 import tf1_syncbn
-from tf1_syncbn._core.patching import ABSENT, Name, Patch, yielding
+from tf1_syncbn._frontend.patching import ABSENT, Name, Patch, yielding
 
 #: Behaviour-independent (no graph): the TF2-behaviour pass only.
 pytestmark = pytest.mark.once

@@ -36,6 +36,8 @@ PUBLIC = {
                         'patch_slim_batch_norm', 'is_slim_batch_norm', 'patch_slim'],
     'tf1_syncbn.run': ['ENVIRONMENT_VARIABLE', 'STRICT_EXIT_STATUS', 'BACKENDS', 'build_parser'],
     'tf1_syncbn.layers': ['BatchNormalization', 'batch_normalization', 'patch_tf_layers'],
+    # Hand-written batch norm's front-end (issue 44: was the private tf1_syncbn._core.moments).
+    'tf1_syncbn.nn': ['moments', 'weighted_moments'],
     'tf1_syncbn.keras': ['BatchNormalization', 'BatchNormalizationV1', 'patch_keras',
                          'KERAS_PACKAGE', 'KERAS_BATCH_NORMALIZATION',
                          'KERAS_BATCH_NORMALIZATION_V1'],
@@ -77,7 +79,8 @@ PUBLIC = {
               'tower_index_from_name', 'call_for_each_tower', 'average_gradients',
               'virtual_cpu_config', 'register_tower_pattern', 'unregister_tower_pattern',
               'tower_patterns', 'graph_state', 'harness', 'context', 'training'],
-    'tower.graph_state': ['GraphState', 'get_graph_state', 'root_graph', 'full_name_scope'],
+    'tower.graph_state': ['GraphState', 'get_graph_state', 'root_graph', 'full_name_scope',
+                          'root_graph_attribute'],
 }
 
 #: ``python -m <module> --help`` for each command of the docs.

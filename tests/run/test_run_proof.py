@@ -21,7 +21,7 @@ import pytest
 import tensorflow as tf
 
 import tf1_syncbn
-from tf1_syncbn._core.patching import yielding
+from tf1_syncbn._frontend.patching import yielding
 from tf1_syncbn.audit.report import AuditReport, LayerAudit
 from tf1_syncbn.run import proof, report, startup, switches
 

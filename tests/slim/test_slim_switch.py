@@ -18,7 +18,7 @@ import tensorflow as tf
 import tf_slim as slim
 
 import tf1_syncbn
-from tf1_syncbn._core.patching import yielding
+from tf1_syncbn._frontend.patching import yielding
 
 tf1 = tf.compat.v1
 ORIGINAL = slim.batch_norm

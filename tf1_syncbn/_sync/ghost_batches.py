@@ -65,7 +65,7 @@ def checked_batch(options, plan, x4):
             '%s=%d over a sync group of %d members needs the same batch size in every '
             'tower (virtual batch k spans the k-th run of each), but tower %d has %d '
             'examples and tower %d has %d (static shapes). %s'
-            % (name, vbs, plan.group_size, first_tower, first_static[0], tower, static[0],
+            % (name, vbs, plan.num_members, first_tower, first_static[0], tower, static[0],
                _fix(options)))
 
     def local(first_tower, first_static, tower, dims):

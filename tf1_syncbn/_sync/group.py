@@ -4,7 +4,7 @@ The layers never ask a harness directly: :func:`tower.get_current_tower_context`
 gives this library's ``TowerContext`` or another harness's tower (tensorpack's,
 a ``tf.distribute`` replica) through :mod:`tower.harness`, and a name scope
 gives the tower of scripts without tower objects (``tower_<i>``,
-``clone_<i>``, registered patterns). :func:`find_group` reads them;
+``clone_<i>``, registered patterns). :func:`find_call_site` reads them;
 :func:`choose_backend` turns ``sync_statistics`` into a backend for that
 group, and refuses at graph build rather than normalize with one tower's
 statistics when the group cannot be told (a warning followed by per-tower
@@ -24,13 +24,16 @@ from tower.graph_state import full_name_scope
 
 tf1 = tf.compat.v1
 
-__all__ = ['Group', 'find_group', 'choose_backend', 'check_untowered_copies',
+__all__ = ['CallSite', 'find_call_site', 'choose_backend', 'check_untowered_copies',
            'canonical_device', 'current_device', 'SyncGroup', 'sync_groups', 'find_sync_group']
 
 
-class Group(collections.namedtuple('Group', ['ctx', 'index', 'towers', 'main', 'call',
-                                             'workers', 'replicated_updates'])):
-    """Where a layer call is built.
+class CallSite(collections.namedtuple('CallSite', ['ctx', 'index', 'towers', 'main', 'call',
+                                                   'workers', 'replicated_updates'])):
+    """Where a layer call is built: its tower and the towers built with it.
+
+    Not the call's sync group (:class:`SyncGroup`, with ``group_size``): the
+    towers of this graph (and the harness's workers) that the group draws from.
 
     Attributes:
       ctx: the tower context (this library's, or another harness's seen
@@ -67,7 +70,7 @@ def current_device():
     return canonical_device(tf.no_op(name='device_probe').device)
 
 
-def find_group(options, prediction_towers_update=False):
+def find_call_site(options, prediction_towers_update=False):
     """Finds this call's tower, its index and the number of towers in its group.
 
     In order: a tower context (this library's, tensorpack's, a
@@ -82,7 +85,7 @@ def find_group(options, prediction_towers_update=False):
         do; slim's run in training towers only).
 
     Returns:
-      A :class:`Group`.
+      A :class:`CallSite`.
 
     Raises:
       ValueError: when ``num_dev`` disagrees with the tower context or the
@@ -123,7 +126,7 @@ def find_group(options, prediction_towers_update=False):
     # graph, `training=False`) never shift the towers' numbering.
     call = get_registry().call_name(towers, index, base) if options.is_training is not False \
         else '%s:inference' % base
-    return Group(ctx, index, towers, main, call, workers,
+    return CallSite(ctx, index, towers, main, call, workers,
                  bool(getattr(ctx, 'replicated_updates', False)))
 
 
@@ -226,7 +229,7 @@ def sync_groups(options, towers, workers):
     return tuple(sorted(spec))
 
 
-def find_sync_group(options, group, backend):
+def find_sync_group(options, site, backend):
     """This member's :class:`SyncGroup`, or None when its group is every tower of every worker.
 
     Raises:
@@ -236,12 +239,12 @@ def find_sync_group(options, group, backend):
     """
     if options.group_size is None:
         return None
-    total = backend.group_size(group.towers)
-    workers = max(total // group.towers, 1)
-    groups = sync_groups(options, group.towers, workers)
+    total = backend.num_members(site.towers)
+    workers = max(total // site.towers, 1)
+    groups = sync_groups(options, site.towers, workers)
     if len(groups) == 1:
         return None
-    if group.replicated_updates and group.workers > 1:
+    if site.replicated_updates and site.workers > 1:
         # One worker: the strategy keeps replica 0's updates (ONLY_FIRST_REPLICA),
         # so the moving statistics follow replica 0's group, as the rule says.
         raise options.error(
@@ -249,7 +252,7 @@ def find_sync_group(options, group, backend):
             "strategies, whose workers each keep their first replica's moving statistics. "
             'Leave %s unset (every replica synchronizes), or run the workers with '
             'tf1_syncbn.distributed and tower.call_for_each_tower, where groups span workers.'
-            % (options.arg('group_size'), options.group_size, group.ctx,
+            % (options.arg('group_size'), options.group_size, site.ctx,
                options.arg('group_size')))
     rank = backend.worker_rank()
     if rank is None:
@@ -258,20 +261,20 @@ def find_sync_group(options, group, backend):
             "w's tower t is w * %d + t), which needs this worker's rank. Pass "
             'CollectiveBackend(num_workers=%d, rank=<this worker\'s rank>), or cluster.backend() '
             'from tf1_syncbn.distributed.'
-            % (options.arg('group_size'), options.group_size, backend, group.towers, workers))
+            % (options.arg('group_size'), options.group_size, backend, site.towers, workers))
     check = getattr(backend, 'check_groups', None)
     if check is not None:
-        check(options.layer, groups, group.towers)
-    me = rank * group.towers + group.index
+        check(options.layer, groups, site.towers)
+    me = rank * site.towers + site.index
     index = [g for g, members in enumerate(groups) if me in members][0]
-    return SyncGroup(groups, index, group.towers, workers, rank, group.index)
+    return SyncGroup(groups, index, site.towers, workers, rank, site.index)
 
 
 def _is_auto(spec):
     return isinstance(spec, str) and spec.lower() == 'auto'
 
 
-def choose_backend(options, group, device):
+def choose_backend(options, site, device):
     """The backend that synchronizes a training call of ``group`` on ``device``, or None.
 
     Returns:
@@ -289,11 +292,11 @@ def choose_backend(options, group, device):
     spec = options.sync_statistics
     if spec is None:
         return None
-    if group.towers is None:
+    if site.towers is None:
         # A name scope says "tower <i>", but nothing says how many towers.
         if not _is_auto(spec):
             raise _unknown_group_error(options, spec)
-        if group.index == 0:
+        if site.index == 0:
             # Alone, tower 0 is one tower; the graph of several never builds:
             # tower 1 (any tower above 0) refuses here.
             return None
@@ -305,22 +308,22 @@ def choose_backend(options, group, device):
             'name scope tower_<i>, tower<i> or clone_<i>), or build them in '
             'tower.TowerContext / tower.call_for_each_tower; or pass %s=None to keep '
             'per-tower statistics on purpose.'
-            % (options.arg('sync_statistics'), full_name_scope(), group.index,
+            % (options.arg('sync_statistics'), full_name_scope(), site.index,
                options.arg('num_dev'), options.arg('sync_statistics')))
-    backend = backends.resolve(spec, options.layer, device, group.towers * group.workers,
-                               group.workers)
+    backend = backends.resolve(spec, options.layer, device, site.towers * site.workers,
+                               site.workers)
     if backend is None:
         return None
-    if group.replicated_updates and \
-            backend.group_size(group.towers) != group.towers * group.workers:
+    if site.replicated_updates and \
+            backend.num_members(site.towers) != site.towers * site.workers:
         # A tf.distribute strategy knows how many members the group has.
         raise options.error(
             '%s=%r synchronizes %d members, but %r has %d towers in all (%d per worker x %d '
             'workers). Pass sync_statistics=\'auto\' or CollectiveBackend(num_workers=%d).'
-            % (options.arg('sync_statistics'), backend, backend.group_size(group.towers),
-               group.ctx, group.towers * group.workers, group.towers, group.workers,
-               group.workers))
-    if group.ctx is None and options.num_dev is None and not backend.implicit_single_tower:
+            % (options.arg('sync_statistics'), backend, backend.num_members(site.towers),
+               site.ctx, site.towers * site.workers, site.towers, site.workers,
+               site.workers))
+    if site.ctx is None and options.num_dev is None and not backend.implicit_single_tower:
         raise _unknown_group_error(options, spec)
     return backend
 
@@ -338,7 +341,7 @@ def _unknown_group_error(options, spec):
            options.arg('num_dev')))
 
 
-def check_untowered_copies(options, group, variable, output, hand_written=False):
+def check_untowered_copies(options, site, variable, output, hand_written=False):
     """Raises when copies of one layer train on several devices outside any tower.
 
     A tower loop the layer cannot see (``for i: with tf.device('/gpu:%d' % i),
@@ -363,7 +366,7 @@ def check_untowered_copies(options, group, variable, output, hand_written=False)
 
     Args:
       options: the call's :class:`~tf1_syncbn._core.options.Options`.
-      group: the call's :class:`Group`.
+      site: the call's :class:`CallSite`.
       variable: what names the layer in every copy: the name of its moving
         mean (of the variable a custom getter received,
         :func:`tf1_syncbn._core.variables.variable_name`), or with
@@ -376,7 +379,7 @@ def check_untowered_copies(options, group, variable, output, hand_written=False)
       ValueError: from the second device on, naming the devices and the fix.
     """
     if options.sync_statistics is None or options.is_training is False or \
-            group.ctx is not None or options.num_dev is not None or group.towers != 1:
+            site.ctx is not None or options.num_dev is not None or site.towers != 1:
         return
     device = canonical_device(output.op.device)
     if not device:

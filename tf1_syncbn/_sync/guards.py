@@ -47,7 +47,8 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
 from tf1_syncbn._sync.registry import get_registry
-from tower.graph_state import get_graph_state, root_graph
+from tf1_syncbn._graph.cache import graph_cache
+from tower.graph_state import root_graph
 
 __all__ = ['step_guards', 'step_watchdog', 'host_cpu', 'TIMEOUT_MESSAGE']
 
@@ -122,7 +123,7 @@ def step_watchdog(device, timeout):
 def _shared_op(slot, build):
     """The op of ``slot`` in the root graph, built once there with ``build()``."""
     root = root_graph()
-    table = get_graph_state(root).slot(_SLOT, dict)
+    table = graph_cache(root).slot(_SLOT, dict)
     op = table.get(slot)
     if op is None:
         device = slot[1]

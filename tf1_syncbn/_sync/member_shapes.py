@@ -26,7 +26,7 @@ import collections
 
 import tensorflow as tf
 
-from tower.graph_state import get_graph_state
+from tf1_syncbn._graph.cache import graph_cache
 
 __all__ = ['Messages', 'checked_dims', 'RESTART']
 
@@ -78,7 +78,7 @@ def checked_dims(plan, slot, tensor, static, dims, messages, direction):
       :meth:`~tf1_syncbn._sync.plan.SyncPlan.all_reduce`).
     """
     static = list(static)
-    table = get_graph_state().slot(slot, dict)
+    table = graph_cache().slot(slot, dict)
     first_tower, first_static = table.setdefault((plan.key.name, plan.key.group),
                                                  (plan.tower, static))
     if first_tower != plan.tower and (len(first_static) != len(static) or any(
@@ -100,7 +100,7 @@ def checked_dims(plan, slot, tensor, static, dims, messages, direction):
 
 def _all_reduced_check(plan, k, dims, messages, direction):
     """Every member's ``dims``, all-reduced, asserted equal."""
-    members = max(plan.group_size, plan.member + 1)
+    members = max(plan.num_members, plan.member + 1)
     values = tf.cast(dims, tf.float64)
     slots = tf.one_hot(plan.member, members, dtype=tf.float64)[:, None] * values[None, :]
     packed = tf.concat([tf.ones([1], tf.float64), values, values * values,

@@ -12,20 +12,22 @@
   the verdict of :meth:`CallRegistry.run_time_verdict`, which the registry
   keeps current in the graph through its listeners.
 
-The registry lives on its graph (:mod:`tower.graph_state`), shared by the graph's
-``tf.cond`` branches.
+The registry lives on its graph (:mod:`tf1_syncbn._graph.cache`), shared by the
+graph's ``tf.cond`` branches; it checks the towers when they exit through
+the tower contexts' exit hooks (:mod:`tower.graph_state`).
 """
 
 import collections
 
 from tf1_syncbn.backends import stable_hash
 from tower import strip_tower_prefix
+from tf1_syncbn._graph.cache import graph_cache
 from tower.graph_state import get_graph_state
 
 __all__ = ['CallRegistry', 'get_registry', 'base_name']
 
 
-class _Member(collections.namedtuple('_Member', ['device', 'backend', 'layer', 'group_size'])):
+class _Member(collections.namedtuple('_Member', ['device', 'backend', 'layer', 'num_members'])):
     pass
 
 
@@ -114,13 +116,13 @@ class CallRegistry(object):
                     'must use the same backend; pass sync_statistics explicitly.'
                     % (key.layer, tower_index, key.name, backend, index, member.backend))
             # (A tower alone in its sync group joins no all-reduce.)
-            if key.device and member.device == key.device and key.group_size > 1 and \
-                    member.group_size > 1:
+            if key.device and member.device == key.device and key.num_members > 1 and \
+                    member.num_members > 1:
                 raise ValueError(
                     '%s: towers %d and %d are both on device %s. Two members of one '
                     'all-reduce on one device would abort the process; place each tower on '
                     'its own device.' % (key.layer, index, tower_index, key.device))
-        members[tower_index] = _Member(key.device, backend, key.layer, key.group_size)
+        members[tower_index] = _Member(key.device, backend, key.layer, key.num_members)
         self._totals[key.name] = total
         self._labels[key.name] = labels or None
         if track:
@@ -235,14 +237,12 @@ class CallRegistry(object):
 
 def get_registry(graph=None):
     """The :class:`CallRegistry` of ``graph``'s root graph (default: the current graph)."""
-    state = get_graph_state(graph)
-
     def create():
         registry = CallRegistry()
-        state.tower_exit_hooks.append(registry.on_tower_exit)
+        get_graph_state(graph).tower_exit_hooks.append(registry.on_tower_exit)
         return registry
 
-    return state.slot('tf1_syncbn.registry', create)
+    return graph_cache(graph).slot('tf1_syncbn.registry', create)
 
 
 def base_name(layer_scope, ctx):

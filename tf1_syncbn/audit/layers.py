@@ -287,7 +287,7 @@ def collective_group(node):
     backend = backend_of_op_type(node.op)
     if backend is None:
         return None
-    attribute = backend.group_size_attributes.get(node.op)
+    attribute = backend.num_members_attributes.get(node.op)
     size = node.get_attr(attribute) if attribute else None
     return backend.name, size.i if size is not None else None
 

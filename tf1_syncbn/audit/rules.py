@@ -121,7 +121,7 @@ def unsynchronized_towers(layer):
             '(%s), so each all-reduce covers part of the global batch. Make the group span '
             'every tower: build the towers with call_for_each_tower or '
             'TowerContext(total=%d), pass num_dev=%d for name-scope towers, or use a '
-            'backend whose group_size() counts every tower.'
+            'backend whose num_members() counts every tower.'
             % (key, min(sizes), '/'.join(sorted(backends)) or 'an', len(towers), listed,
                len(towers), len(towers)))]
     return []

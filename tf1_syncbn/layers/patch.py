@@ -30,7 +30,7 @@ The one place that knows how TensorFlow hands out ``tf.compat.v1.layers``:
 
 Once applied, the patch looks the names up as a script does and raises
 :class:`tf1_syncbn.PatchError` (after undoing itself) where one is not this
-library's (:mod:`tf1_syncbn._core.patching`).
+library's (:mod:`tf1_syncbn._frontend.patching`).
 
 Keras' and TensorFlow's own modules (``tf_keras.src``, ``keras.src``,
 ``tensorflow.python``) keep Keras' layer, so ``slim.batch_norm``, which
@@ -43,9 +43,8 @@ import importlib.abc
 import sys
 import types
 
+from tf1_syncbn._frontend.patching import Name, Patch, getattr_path, loaded_modules, namespace
 from tf1_syncbn.layers import layer as layers
-from tf1_syncbn._core.modules import loaded_modules, namespace
-from tf1_syncbn._core.patching import Name, Patch, getattr_path
 
 __all__ = ['patch_tf_layers']
 

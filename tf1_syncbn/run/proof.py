@@ -41,7 +41,7 @@ import weakref
 
 import tensorflow as tf
 
-from tf1_syncbn._core.patching import Patch
+from tf1_syncbn._frontend.patching import Patch
 from tf1_syncbn.audit import audit_graph
 from tf1_syncbn.run import report as report_lib
 from tf1_syncbn.run.startup import STRICT_EXIT_STATUS
@@ -262,7 +262,7 @@ def install(options, switches):
         names (filled by :mod:`tf1_syncbn.run.switches`).
 
     Returns:
-      The hook (a :class:`~tf1_syncbn._core.patching.Patch`; ``restore()`` removes it).
+      The hook (a :class:`~tf1_syncbn._frontend.patching.Patch`; ``restore()`` removes it).
     """
     _STATE['options'] = options
     _STATE['switches'] = switches

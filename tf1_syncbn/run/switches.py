@@ -4,7 +4,7 @@ The start-up hook (:mod:`tf1_syncbn.run.startup`) calls :func:`activate` once
 TensorFlow and the package's own imports are fully imported, and
 :func:`library_loaded` when tensorpack or Keras 2 is imported later. Each
 switch is the front-end's own public patch, made inside
-:func:`tf1_syncbn._core.patching.yielding`, so that a script that calls the
+:func:`tf1_syncbn._frontend.patching.yielding`, so that a script that calls the
 patch itself keeps working with its own arguments while its patch is active:
 
 * tf.layers (tf-keras' layer without the runner, none on Keras 3; per tower):
@@ -26,7 +26,7 @@ script keep the script's arguments. A front-end whose patch fails is reported
 import inspect
 import sys
 
-from tf1_syncbn._core import keras2, patching
+from tf1_syncbn._frontend.patching import keras2_package, yielding
 from tf1_syncbn.layers import patch_tf_layers
 from tf1_syncbn.run import proof
 from tf1_syncbn.run.report import Switch
@@ -81,7 +81,7 @@ def _switch(front_end, make, values):
     """Makes one front-end's patch (yielding), and records what happened."""
     switch = Switch(front_end, defaults=values)
     try:
-        with patching.yielding():
+        with yielding():
             make()
     except Exception as e:  # noqa: BLE001 - reported; the audit shows what it leaves unsynced
         switch.status, switch.error = 'failed', '%s: %s' % (type(e).__name__, e)
@@ -129,7 +129,7 @@ def library_loaded(name, loading=frozenset()):
     options = _STATE['options']
     table = _STATE['switches']
     if name in ('keras', 'tf_keras') and 'Keras 2' not in table:
-        package = keras2.package()
+        package = keras2_package()
         if package in sys.modules and package not in loading:
             from tf1_syncbn.keras import patch_keras  # noqa: PLC0415 - imports tf-keras
             values = defaults(options)

@@ -73,8 +73,8 @@ import sys
 
 from tf_slim.ops import arg_scope as slim_arg_scope
 
-from tf1_syncbn._core.modules import loaded_modules, namespace
-from tf1_syncbn._core.patching import Name, Patch, getattr_path, verify
+from tf1_syncbn._frontend.patching import (Name, Patch, getattr_path, loaded_modules, namespace,
+                                           verify)
 from tf1_syncbn.slim.layer import sync_batch_norm
 
 __all__ = ['sync_arg_scope', 'convert_arg_scope', 'patch_slim_batch_norm',
@@ -89,27 +89,25 @@ _SYNC_KEY = slim_arg_scope.arg_scope_func_key(sync_batch_norm)
 _SLIM_KEY = slim_arg_scope.arg_scope_func_key(_ORIGINAL_BATCH_NORM)
 
 
-def is_slim_batch_norm(fn):
-    """True when ``fn`` is tf-slim's ``batch_norm`` (under any of its module names)."""
+def _is(fn, function, key):
+    """Whether ``fn`` is ``function``, or what arg scopes key as it (``key``)."""
     if fn is None:
         return False
-    if fn is _ORIGINAL_BATCH_NORM:
+    if fn is function:
         return True
     try:
-        return slim_arg_scope.arg_scope_func_key(fn) == _SLIM_KEY
+        return slim_arg_scope.arg_scope_func_key(fn) == key
     except (TypeError, AttributeError):
         return False
+
+
+def is_slim_batch_norm(fn):
+    """True when ``fn`` is tf-slim's ``batch_norm`` (under any of its module names)."""
+    return _is(fn, _ORIGINAL_BATCH_NORM, _SLIM_KEY)
 
 
 def _is_sync_batch_norm(fn):
-    if fn is None:
-        return False
-    if fn is sync_batch_norm:
-        return True
-    try:
-        return slim_arg_scope.arg_scope_func_key(fn) == _SYNC_KEY
-    except (TypeError, AttributeError):
-        return False
+    return _is(fn, sync_batch_norm, _SYNC_KEY)
 
 
 def _check_scope(scope, what):
@@ -381,7 +379,7 @@ _INSTEAD = ('pass normalizer_fn=tf1_syncbn.sync_batch_norm in the model\'s arg s
 
 
 def _user_names(patched):
-    """How a slim model reaches batch norm inside the block (:mod:`tf1_syncbn._core.patching`).
+    """How a slim model reaches batch norm inside the block (:mod:`tf1_syncbn._frontend.patching`).
 
     ``slim.batch_norm``, ``slim.layers.batch_norm`` and the module attribute
     that ``tf_slim.nets`` call (``tf_slim.layers.layers.batch_norm``), with

@@ -7,9 +7,8 @@ tensorpack is imported only when :func:`patch_tensorpack` is called.
 import importlib
 import inspect
 
-from tf1_syncbn._core.modules import loaded_modules, namespace
-from tf1_syncbn._core.patching import Name, Patch, getattr_path
-from tf1_syncbn.tensorpack.api import _DEFAULTS, _LAYER_NAMES, _LAYERS, _LOCK
+from tf1_syncbn._frontend.patching import Name, Patch, getattr_path, loaded_modules, namespace
+from tf1_syncbn.tensorpack.rules import _DEFAULTS, _LAYER_NAMES, _LAYERS, _LOCK
 
 __all__ = ['patch_tensorpack']
 
@@ -29,8 +28,9 @@ class _TensorpackPatch(Patch):
         self._defaults = {name: dict(layer_defaults) for name in _LAYER_NAMES}
         self._keys = list(defaults)
         self._replaced = []                # [(module, attribute, original)]
-        # The layers register themselves when tf1_syncbn.tensorpack.layer is
-        # imported (importing tf1_syncbn does): no import of that module here.
+        # The layers register themselves (rules.tensorpack_layer) when
+        # tf1_syncbn.tensorpack.layer is imported (importing tf1_syncbn does):
+        # no import of that module here.
         self._ours = {name: _LAYERS[name] for name in _LAYER_NAMES}
 
     @property

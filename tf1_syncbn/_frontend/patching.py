@@ -1,4 +1,13 @@
-"""The one base of the patches, :class:`Patch`, and what each checks: the names users call.
+"""What a front-end switches the user's code with: the one base of the patches, :class:`Patch`.
+
+A front-end's ``patch.py`` imports everything it uses of the library from
+here (its second door, beside :mod:`tf1_syncbn._frontend.building`): the
+base and its check (below), the loaded modules' namespaces read without
+running their hooks (:func:`loaded_modules`, :func:`namespace`, from
+:mod:`tf1_syncbn._frontend.modules`) and which Keras 2 package code reaches
+(:func:`keras2_package`, :func:`tf_keras_is_keras3`, :func:`keras_versions`,
+from :mod:`tf1_syncbn._frontend.keras2`). So does ``python -m tf1_syncbn.run``
+(:func:`yielding`).
 
 :func:`tf1_syncbn.patch_tf_layers`, :func:`tf1_syncbn.patch_tensorpack`,
 :func:`tf1_syncbn.keras.patch_keras`, :func:`tf1_syncbn.patch_slim` and
@@ -36,11 +45,15 @@ instead. The patch undoes itself first.
 import contextlib
 import threading
 
-from tf1_syncbn._core import keras2 as _keras2
-from tf1_syncbn._core.modules import namespace
+from tf1_syncbn._frontend.keras2 import package as keras2_package
+from tf1_syncbn._frontend.keras2 import tf_keras_is_keras3
+from tf1_syncbn._frontend.keras2 import versions as keras_versions
+from tf1_syncbn._frontend.modules import loaded_modules, namespace
 from tf1_syncbn.errors import PatchError
 
-__all__ = ['Patch', 'ABSENT', 'Name', 'failures', 'getattr_path', 'verify', 'yielding']
+__all__ = ['Patch', 'ABSENT', 'Name', 'failures', 'getattr_path', 'verify', 'yielding',
+           'loaded_modules', 'namespace', 'keras2_package', 'tf_keras_is_keras3',
+           'keras_versions']
 
 #: What a resolver returns for a name that this TensorFlow/Keras does not have
 #: at all (nothing to switch, nothing to check).
@@ -140,7 +153,7 @@ def verify(api, names, instead, undo=None):
     raise PatchError(
         '%s cannot take effect here (%s): %s. The patch is undone, so nothing is left '
         'half-switched. Instead, %s.'
-        % (api, _keras2.versions(),
+        % (api, keras_versions(),
            '; '.join('%s is still %s, not this library\'s layer' % f for f in found), instead))
 
 
