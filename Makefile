@@ -2,8 +2,8 @@
 # make demo also runs without a compiler):
 #   make demo   creates .venv, installs the project, runs the main job
 #   make test   creates .venv, installs the project and test tools, runs the suite
-# Re-running reuses .venv: installs happen again only when pyproject.toml or
-# this Makefile change.
+# Re-running reuses .venv: installs happen again only when pyproject.toml,
+# setup.py (which installs the runner's start-up hook) or this Makefile change.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -32,7 +32,7 @@ $(VENV)/bin/python:
 # --no-compile: pip would byte-compile all of TensorFlow and Keras (half of the
 # install's CPU time, most of it modules never imported); Python compiles, and
 # caches, what is imported on first import instead.
-$(VENV)/.installed: $(VENV)/bin/python pyproject.toml Makefile
+$(VENV)/.installed: $(VENV)/bin/python pyproject.toml setup.py tf1_syncbn_run.pth Makefile
 	@if $(PY) -c "import tensorflow" >/dev/null 2>&1; then \
 	    echo "TensorFlow already present: $$($(PY) -c 'import tensorflow as tf; print(tf.__version__)')"; \
 	    $(PIP) install -q -e .; \

@@ -48,9 +48,9 @@ autodoc_typehints = 'none'
 autodoc_default_options = {'show-inheritance': True}
 add_module_names = False
 # Every name in these modules' __all__ must be on a page of the API reference.
-public_api_modules = ['tf1_syncbn', 'tower', 'tf1_syncbn.layers', 'tf1_syncbn.keras',
-                      'tf1_syncbn.export', 'tf1_syncbn.distributed', 'tf1_syncbn.timeouts',
-                      'tf1_syncbn.kernel_sets']
+public_api_modules = ['tf1_syncbn', 'tower', 'tf1_syncbn.nn', 'tf1_syncbn.layers',
+                      'tf1_syncbn.keras', 'tf1_syncbn.export', 'tf1_syncbn.distributed',
+                      'tf1_syncbn.timeouts', 'tf1_syncbn.kernel_sets']
 
 html_theme = 'furo'
 html_title = 'tf1-syncbn %s' % release

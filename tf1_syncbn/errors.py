@@ -1,7 +1,10 @@
 """The library's own warning and exceptions (multi-worker ones: :mod:`tf1_syncbn.distributed`).
 
-* :class:`SyncBNWarning`: a layer that could synchronize does not (the
-  message says why and how to fix it).
+* :class:`SyncBNWarning`: a switch left some code unswitched
+  (``patch_keras`` about a Keras it does not patch); the message says why and
+  how to fix it. A layer that cannot synchronize as asked never warns: it
+  raises at graph build (a warning followed by per-tower statistics would be a
+  silent fallback).
 * :class:`PatchError`: a patch could not make a name that user code calls
   resolve to this library's layer.
 
@@ -14,7 +17,10 @@ __all__ = ['SyncBNWarning', 'PatchError']
 
 
 class SyncBNWarning(UserWarning):
-    """A synchronized layer that cannot synchronize (see the message for the fix)."""
+    """Code a switch leaves unswitched, e.g. a Keras ``patch_keras`` does not patch.
+
+    (Layers that cannot synchronize as asked raise ``ValueError`` instead.)
+    """
 
 
 class PatchError(RuntimeError):

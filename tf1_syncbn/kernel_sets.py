@@ -36,7 +36,7 @@ import threading
 import tensorflow as tf
 
 from tf1_syncbn._compute import math as _math
-from tower.graph_state import get_graph_state
+from tf1_syncbn._graph.cache import graph_cache
 
 __all__ = ['CompiledCpuKernels', 'PortableKernels', 'kernels_for', 'register_kernel_set',
            'kernel_set_factories']
@@ -188,7 +188,7 @@ def vector_math(fn, static, xla):
     if not xla:
         compiled = bound
         return named
-    table = get_graph_state().slot('tf1_syncbn.vector_math', dict)
+    table = graph_cache().slot('tf1_syncbn.vector_math', dict)
     key = (fn.__name__, tuple(static))
     compiled = table.get(key)
     if compiled is None:

@@ -335,13 +335,18 @@ def run_check(backend, towers=4, batch_sizes=None, shape=DEFAULT_SHAPE, decay=0.
 
 
 def _groups(towers, group_size):
-    """The sync groups of ``towers`` (lists of consecutive tower indices)."""
+    """The sync groups of ``towers`` (lists of consecutive tower indices).
+
+    One tower is its own group, whatever ``group_size``, as in the layers.
+    """
     if group_size is None:
         return [list(range(towers))]
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or \
-            towers % group_size:
+            (towers % group_size and towers > 1):
         raise ValueError('selftest: group_size must be a positive int that divides the %d '
                          'towers, got %r.' % (towers, group_size))
+    if towers == 1:
+        return [[0]]
     return [list(range(start, start + group_size)) for start in range(0, towers, group_size)]
 
 

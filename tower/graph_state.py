@@ -1,10 +1,10 @@
-"""Per-graph state for tower contexts and the layers that read them.
+"""Per-graph state of the tower contexts: the entered towers, their exit hooks, scope counts.
 
 State lives on the ``tf.Graph`` it belongs to, as one attribute of the graph
 object (:data:`_ATTRIBUTE`), so two graphs never see each other's towers or
 counters. Nothing here is global across graphs, and nothing outside the graph
-refers to the state: state that holds the graph's own ops (the layers'
-registries do) only makes a reference cycle through the graph, which Python's
+refers to the state: state that holds the graph's own ops (an exit hook's
+owner may) only makes a reference cycle through the graph, which Python's
 garbage collector frees with it. A module-level map from graphs to their
 state would keep every graph alive through the ops its values hold, even with
 weak keys.
@@ -12,6 +12,10 @@ weak keys.
 The branches of ``tf.cond``/``tf.while_loop`` (control flow v2) and traced
 functions are built in ``FuncGraph``s nested in the model's graph; they share
 the state of their outermost graph, since they are part of the same model.
+
+:func:`root_graph` and :func:`full_name_scope` serve the libraries that read
+towers too; what ``tf1_syncbn`` keeps per graph is its own
+(``tf1_syncbn._graph.cache``).
 """
 
 import threading
@@ -32,22 +36,12 @@ class GraphState(object):
         synchronized layers).
       scope_counts: default-scope-name counters saved when tower 0 of a group
         was entered, restored for the other towers.
-      slots: dict of named sub-states for other packages (for example the
-        per-tower call counters of ``tf1_syncbn``), created on first use by
-        :meth:`slot`.
     """
 
     def __init__(self):
         self.tower_stack = []
         self.tower_exit_hooks = []
         self.scope_counts = {}
-        self.slots = {}
-
-    def slot(self, name, factory):
-        """Returns the sub-state ``name``, creating it with ``factory()``."""
-        if name not in self.slots:
-            self.slots[name] = factory()
-        return self.slots[name]
 
 
 def root_graph(graph=None):
@@ -79,12 +73,29 @@ def full_name_scope(graph=None):
     return '/'.join(p for p in reversed(parts) if p)
 
 
-def get_graph_state(graph=None):
-    """Returns the :class:`GraphState` of ``graph``'s outermost graph (default: current)."""
+def root_graph_attribute(attribute, factory, graph=None):
+    """The object kept as ``attribute`` on ``graph``'s outermost graph, made by ``factory()``.
+
+    Made on first use, under one process lock; kept on the graph object, so
+    it lives and dies with the graph (see the module docstring). The
+    towers' state is one (:func:`get_graph_state`); another library keeps its
+    own under an attribute of its own (``tf1_syncbn``'s per-graph cache).
+
+    Args:
+      attribute: the attribute's name, private to its owner
+        (``'_tf1_syncbn_graph_state'``).
+      factory: a callable without arguments.
+      graph: a graph (default: the current graph).
+    """
     graph = root_graph(graph)
     with _LOCK:
-        state = getattr(graph, _ATTRIBUTE, None)
-        if state is None:
-            state = GraphState()
-            setattr(graph, _ATTRIBUTE, state)
-        return state
+        value = getattr(graph, attribute, None)
+        if value is None:
+            value = factory()
+            setattr(graph, attribute, value)
+        return value
+
+
+def get_graph_state(graph=None):
+    """Returns the :class:`GraphState` of ``graph``'s outermost graph (default: current)."""
+    return root_graph_attribute(_ATTRIBUTE, GraphState, graph)

@@ -12,6 +12,7 @@ here, as the command line does. Every broken case must be flagged naming
 its layer (and only its problems), every correct case must be clean.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -24,7 +25,8 @@ import tensorflow as tf
 import audit_cases
 import tf_behavior
 from legacy_reference import run_reference
-from tf1_syncbn import SyncBNWarning, audit_graph, backends, sync_batch_norm
+import tf1_syncbn
+from tf1_syncbn import audit_graph, backends, sync_batch_norm
 from tf1_syncbn import audit as audit_module
 from tower import TowerContext, average_gradients, call_for_each_tower
 
@@ -154,9 +156,12 @@ def test_one_layer_applied_to_two_inputs_is_a_note_not_a_problem(towers):
 
 @pytest.mark.parametrize('scope', [None, 'gpu_%d'])
 def test_an_unnamed_device_loop_is_flagged(scope):
-    """Towers the layer cannot name (it warns): each copy normalizes alone, never clean."""
-    with pytest.warns(SyncBNWarning, match='used in training by copies on 2 devices'):
-        graph, train_op = audit_cases.device_loop(sync_batch_norm, scope=scope)
+    """Towers the layer cannot name (with 'auto' it refuses to build them; with
+    sync_statistics=None it builds them): each copy normalizes alone, never clean."""
+    with pytest.raises(ValueError, match='used in training by copies on 2 devices'):
+        audit_cases.device_loop(sync_batch_norm, scope=scope)
+    graph, train_op = audit_cases.device_loop(sync_batch_norm, scope=scope,
+                                              bn_params={'sync_statistics': None})
     report = audit_graph(graph, train_op)
     assert kinds(report) == [(n, 'untowered') for n in SMALL_NET], str(report)
     assert {l.sync_summary() for l in report.layers} == {'no (per device)'}
@@ -248,21 +253,86 @@ def test_layer_norm_on_the_fused_kernel_is_not_batch_norm():
     assert report.layers == [] and report.ok
 
 
-def test_other_tower_conventions_with_tower_patterns():
+@pytest.mark.parametrize('convention', ['gpu%d', 'gpu_%d', 'GPU-%d'])
+def test_other_tower_conventions_with_tower_patterns(convention):
+    """The advice gives a pattern that matches the scopes seen (before: gpu_<i>'s for all)."""
     graph = tf.Graph()
     with graph.as_default():
         for i in range(2):
-            with tf.device('/cpu:%d' % i), tf1.name_scope('gpu%d' % i), \
+            with tf.device('/cpu:%d' % i), tf1.name_scope(convention % i), \
                     tf1.variable_scope('', reuse=i > 0):
                 sync_batch_norm(tf1.placeholder(tf.float32, [None, 3]), scope='bn',
                                 sync_statistics=None)
     report = audit_graph(graph)
-    assert layer(report, 'bn').towers == ('',)                # gpu<i> is no tower it knows,
+    scopes = (convention % 0, convention % 1)
+    assert layer(report, 'bn').towers == ('',)                # no tower it knows,
     assert kinds(report) == [('bn', 'untowered')]           # but the devices tell the copies
-    assert 'audit with tower_patterns / --tower-pattern' in report.problems[0]
-    report = audit_graph(graph, tower_patterns=[r'gpu([0-9]+)'])
+    suggested = re.findall(r"tower\.register_tower_pattern\(r'([^']*)'\) for these (.*?) name "
+                           r"scopes, and audit with tower_patterns=\[r'([^']*)'\] / "
+                           r"--tower-pattern '([^']*)'", report.problems[0])
+    assert len(suggested) == 1, report.problems[0]
+    pattern, named, *same = suggested[0]
+    assert same == [pattern, pattern] and named == ', '.join(scopes)
+    assert [int(re.fullmatch(pattern, s).group(1)) for s in scopes] == [0, 1], pattern
+    report = audit_graph(graph, tower_patterns=[pattern])
     assert kinds(report) == per_tower('bn')
-    assert layer(report, 'bn').towers == ('gpu0', 'gpu1')
+    assert layer(report, 'bn').towers == scopes
+
+
+def test_the_per_tower_advice_names_num_dev_and_sync_statistics_where_it_is_none():
+    """Before: "Pass sync_statistics='auto' ... instead of None", where the layer may have
+    lacked num_dev only (the graph cannot tell): both fixes, num_dev first."""
+    graph, train_op = audit_cases.classic_towers(sync_batch_norm,
+                                                 bn_params={'sync_statistics': None})
+    report = audit_graph(graph, train_op)
+    assert kinds(report) == per_tower(*SMALL_NET)
+    problem = report.problems[0]
+    assert 'instead of None' not in problem, problem
+    assert re.search(r"pass num_dev=2 where no tower context gives the number of towers "
+                     r"\(tower_<i> / clone_<i> name scopes, or a convention registered with "
+                     r"tower\.register_tower_pattern\), and sync_statistics='auto' \(or a "
+                     r"backend\) where it is None \(tensorpack's default", problem), problem
+
+
+def _hand_written_bn(x, moments):
+    """A batch norm written by hand around ``moments`` (docs/hand-written.md)."""
+    with tf1.variable_scope('bn', reuse=tf1.AUTO_REUSE):
+        channels = x.shape[-1]
+        moving = [tf1.get_variable(name, [channels], trainable=False, initializer=init)
+                  for name, init in (('moving_mean', tf1.zeros_initializer()),
+                                     ('moving_variance', tf1.ones_initializer()))]
+        statistics = moments(x, [0])
+        for variable, value in zip(moving, statistics):
+            tf1.add_to_collection(tf1.GraphKeys.UPDATE_OPS, tf1.assign_sub(
+                variable, (variable - value) * 0.1))
+        return tf.nn.batch_normalization(x, *statistics, None, None, 1e-3)
+
+
+@pytest.mark.parametrize('scope,kind,advice', [
+    ('tower_%d', 'per_tower', r'pass tf1_syncbn\.moments\(\.\.\., num_dev=2\) where no tower '
+                              r"context .*sync_statistics='auto' \(or a backend\) where it is "
+                              r'None\.$'),
+    (None, 'untowered', r"Pass tf1_syncbn\.moments\(\.\.\., num_dev=<number of towers>\) "
+                        r"\(and sync_statistics='auto', its default, where it is None\) and "
+                        r'build tower i')])
+def test_hand_written_moments_get_the_advice_of_moments(scope, kind, advice):
+    """Before, tf1_syncbn.moments' copies were told to use the layers' num_dev."""
+    graph = tf.Graph()
+    with graph.as_default():
+        ys = []
+        for i in range(2):
+            with tf.device('/cpu:%d' % i), contextlib.ExitStack() as scopes:
+                if scope is not None:
+                    scopes.enter_context(tf1.name_scope(scope % i))
+                scopes.enter_context(tf1.variable_scope('', reuse=i > 0))
+                ys.append(_hand_written_bn(
+                    tf1.placeholder(tf.float32, [None, 3]),
+                    lambda x, axes: tf1_syncbn.moments(x, axes, sync_statistics=None)))
+        train_op = tf.group(*ys, *tf1.get_collection(tf1.GraphKeys.UPDATE_OPS))
+    report = audit_graph(graph, train_op)
+    assert ('bn', kind) in kinds(report), str(report)     # (per tower: every tower's updates)
+    problem, = [p for p in report.problems if dict(KINDS)[kind] in p]
+    assert re.search(advice, problem), problem
 
 
 def test_without_train_op_the_graphs_train_op_collection_is_used_else_nothing_is_checked():
@@ -502,16 +572,35 @@ def test_the_demo_prints_the_audit_of_both_training_graphs(capsys):
     cluster = setup_cluster(towers=2)
     layers = ['conv1/BatchNorm', 'conv2/BatchNorm', 'conv3/BatchNorm', 'fc1/BatchNorm']
     for name, spec in (('sync', demo.sync_spec('auto', cluster)), ('per_tower', None)):
-        report = demo.print_audit(name, demo.build_training_graph(args, spec, cluster))
+        net = demo.build_training_graph(args, spec, cluster)
+        report = demo.print_audit(name, net)
         printed = capsys.readouterr().out
-        assert str(report) in printed and printed.startswith(name + ': batch-norm audit')
+        assert printed.startswith(name + ': batch-norm audit')
         assert [l.name for l in report.layers] == layers
         # The held-out path (name scope eval/, moving statistics) is found as inference.
         assert {l.towers_summary() for l in report.layers} == {
             'tower0, tower1; infer: (no tower)'}
         assert kinds(report) == ([] if name == 'sync' else per_tower(*layers))
-        # The comparison run's problems are said to be expected; the sync run's report is clean.
-        assert ('these problems are expected' in printed) == (name == 'per_tower')
+        if name == 'sync':
+            assert str(report) in printed
+            continue
+        # The comparison run normalizes per tower on purpose: the table shows it, and the
+        # verdict says it is intended, not FAILED (before: "FAILED: 4 problems.").
+        table = str(report).split('\nPROBLEMS')[0]
+        assert table in printed and 'no (per tower)' in table
+        assert printed.endswith('per-tower run: 4 layers unsynchronized, as intended for the '
+                                'comparison; nothing else found.\n'), printed
+        assert 'FAILED' not in printed and 'PROBLEMS' not in printed
+        # A real problem of that run still fails: here its updates do not run with the
+        # step's op (the loss), which the audit finds for each layer.
+        broken = demo.print_audit(name, dict(net, train_op=net['loss']))
+        printed = capsys.readouterr().out
+        assert sorted(kinds(broken)) == sorted(per_tower(*layers) + [
+            (l, 'not_run') for l in layers])
+        not_run = [p for p in broken.problems if 'do not run when the train op runs' in p]
+        assert 'PROBLEMS (4):\n' in printed and all(p in printed for p in not_run)
+        assert printed.endswith('per-tower run: 4 layers unsynchronized, as intended for the '
+                                'comparison.\nFAILED: 4 problems.\n'), printed
 
 
 def test_the_selftest_audits_its_graph_and_fails_on_a_problem(monkeypatch, capsys):

@@ -5,23 +5,31 @@ tf-slim's ``fused=False`` path): its own ``gamma``/``beta`` and moving
 averages, ``tf.nn.moments``, a ``tf.cond`` on a bool tensor ``is_training``
 between the batch and the moving statistics, ``assign_sub`` updates in
 ``UPDATE_OPS`` and ``tf.nn.batch_normalization``. On 3 uneven towers, one
-empty, with ``tf.nn.moments`` replaced by ``tf1_syncbn.moments`` (and the
-harness keeping one tower's ``UPDATE_OPS``, as the classic scripts do), it
-equals the UNCHANGED layer on one device with the concatenated batch, and
-float64 numpy: outputs, input/gamma/beta gradients, moving averages, and the
-inference outputs after the step. The audit reports it synchronized.
+empty, with ``tf.nn.moments`` replaced by ``tf1_syncbn.moments(...,
+training=is_training)`` (and the harness keeping one tower's ``UPDATE_OPS``,
+as the classic scripts do), it equals the UNCHANGED layer on one device with
+the concatenated batch, and float64 numpy: outputs, input/gamma/beta
+gradients, moving averages, and the inference outputs after the step. The
+audit reports it synchronized.
+
+Issue 42: TF1's positional order is refused (defect 6), one tower of such a
+training graph evaluates alone (defect 8), and towers whose kept dimensions
+differ only at run time fail naming the call and their shapes.
 """
 
 import functools
+import time
+import warnings
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from bn_reference import bn_backward, bn_forward
+import tf_behavior
 from conftest import make_session
 import tf1_syncbn
-from tf1_syncbn import CollectiveBackend, SyncBNWarning
+from tf1_syncbn import CollectiveBackend, SyncBNWarning, kernels
 from tower import call_for_each_tower
 
 tf1 = tf.compat.v1
@@ -60,7 +68,7 @@ def _name_scope_towers(layer, is_training):
         with tf.device('/cpu:%d' % i), tf.name_scope('tower_%d' % i):
             xs.append(tf1.placeholder(tf.float32, [None] + SHAPE, name='x'))
             ys.append(layer(xs[-1], is_training, functools.partial(
-                tf1_syncbn.moments, num_dev=len(SIZES),
+                tf1_syncbn.moments, num_dev=len(SIZES), training=is_training,
                 sync_statistics=CollectiveBackend(timeout=60))))
     return xs, ys, tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, 'tower_%d' % (len(SIZES) - 1))
 
@@ -72,7 +80,8 @@ def _context_towers(layer, is_training):
     def tower():
         before = len(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS))
         xs.append(tf1.placeholder(tf.float32, [None] + SHAPE, name='x'))
-        ys.append(layer(xs[-1], is_training, tf1_syncbn.moments))
+        ys.append(layer(xs[-1], is_training,
+                        functools.partial(tf1_syncbn.moments, training=is_training)))
         updates.append(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)[before:])
 
     call_for_each_tower(tower, ['/cpu:%d' % i for i in range(len(SIZES))])
@@ -243,7 +252,9 @@ def test_never_a_silent_per_tower_fallback(graph):
     with tf.name_scope('tower_1'), pytest.raises(ValueError, match="sync_statistics='collective"
                                                                    "' asks for synchronized"):
         tf1_syncbn.moments(x, [0], sync_statistics='collective')
-    with tf.name_scope('tower_2'), pytest.warns(SyncBNWarning, match='Pass num_dev'):
+    with tf.name_scope('tower_2'), pytest.raises(
+            ValueError, match=r"moments\(tower_2/moments\): sync_statistics='auto' cannot tell "
+                              r'.*Pass num_dev=<number of towers'):
         tf1_syncbn.moments(x, [0])
     with pytest.raises(TypeError, match='int32'):
         tf1_syncbn.moments(tf1.placeholder(tf.int32, [None, 3]), [0])
@@ -257,6 +268,45 @@ def test_never_a_silent_per_tower_fallback(graph):
             else:
                 with pytest.raises(ValueError, match=r'\[3\] in tower 0, \[4\] in tower 1'):
                     tf1_syncbn.moments(y, [0], num_dev=2)
+
+
+def _device_loop(moments, devices):
+    """The hand-written layer in a loop the call cannot see: ``tf.device``, variables reused."""
+    is_training = tf1.placeholder_with_default(True, [])
+    for i, device in enumerate(devices):
+        with tf.device(device), tf1.variable_scope('', reuse=i > 0):
+            hand_written_bn(tf1.placeholder(tf.float32, [None] + SHAPE), is_training, moments)
+
+
+@pytest.mark.parametrize('kind', tf_behavior.pick(['moments', 'weighted_moments'],
+                                                  ['moments']))
+def test_copies_on_several_devices_outside_any_tower_are_refused(graph, kind):
+    """Before, each device's copy normalized alone, silently (the layers warned at least).
+
+    The copies are the calls under one variable scope (``bn/moments``), which
+    the loop reuses; one device (a layer applied twice), ``num_dev=1`` (one
+    model split across devices), ``sync_statistics=None`` and ``training=False``
+    (each device's own moments, as asked: no all-reduce) stay quiet.
+    """
+    def moments(x, axes, **kwargs):
+        if kind == 'moments':
+            return tf1_syncbn.moments(x, axes, **kwargs)
+        return tf1_syncbn.weighted_moments(x, axes, tf.ones_like(x[:, :1, :1, :1]), **kwargs)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', SyncBNWarning)
+        _device_loop(moments, ['/cpu:0', '/cpu:0'])
+        for kwargs in ({'num_dev': 1}, {'sync_statistics': None}, {'training': False}):
+            with tf.Graph().as_default() as g:
+                _device_loop(functools.partial(moments, **kwargs), ['/cpu:0', '/cpu:1'])
+                assert not [op for op in g.get_operations() if 'Collective' in op.type]
+        with pytest.raises(ValueError, match=(
+                r"tf1_syncbn\.%s\(bn_2/%s\): its calls under the variable scope 'bn/%s' "
+                r"\(one hand-written layer's copies\) are built for training on 2 devices "
+                r'\(/device:CPU:0, /device:CPU:1\).*pass tf1_syncbn\.moments\(\.\.\., '
+                r'num_dev=<number of towers>\).*tower\.TowerContext.*num_dev=1; .*'
+                r'sync_statistics=None\.$' % (kind, kind, kind))):
+            _device_loop(moments, ['/cpu:1'])
 
 
 def test_a_tower_that_never_built_it_fails_the_first_step_at_once(graph):
@@ -303,3 +353,140 @@ def test_the_audit_names_the_fix_for_an_unchanged_hand_written_layer(graph):
     layer, = report.layers
     assert layer.name == 'bn' and layer.synchronized is False
     assert any('tf1_syncbn.moments' in p for p in layer.problems), layer.problems
+
+
+# Issue 42, defect 6: TF1's positional order, tf.compat.v1.nn.moments(x, axes, shift, name,
+# keep_dims), silently meant keepdims=True (a name in keepdims' place).
+TF1_POSITIONAL = [
+    ('moments', (None, 'bn_moments'), r"keepdims='bn_moments' is not a bool.*"
+                                      r"tf1_syncbn\.moments\(x, axes, shift, name='bn_moments'\)"),
+    ('moments', (None, 'bn_moments', True), r"tf1_syncbn\.moments\(x, axes, shift, "
+                                            r"name='bn_moments', keep_dims=True\)"),
+    ('moments', (None, None, True), r'name=True is not a string.*keep_dims=True'),
+    ('weighted_moments', ('weights', 'bn_moments'),
+     r"TF1's tf\.compat\.v1\.nn\.weighted_moments\(x, axes, frequency_weights, name, "
+     r"keep_dims\).*name='bn_moments'"),
+    ('weighted_moments', ('weights', None, False), r'name=False is not a string'),
+]
+
+
+def test_tf1_positional_order_is_refused_naming_the_fix(graph):
+    x = tf1.placeholder(tf.float32, [None, 3])
+    w = tf1.placeholder(tf.float32, [None, 1])
+    for kind, args, match in TF1_POSITIONAL:
+        args = tuple(w if a == 'weights' else a for a in args)
+        getattr(tf1.nn, kind)(x, [0], *args)          # a valid TF1 call (the reference)
+        with pytest.raises(TypeError, match=match) as info:
+            getattr(tf1_syncbn, kind)(x, [0], *args)
+        assert "takes TF2's order, tf.nn.%s(x, axes" % kind in str(info.value)
+    with pytest.raises(ValueError, match=r'keepdims=True and keep_dims=False disagree'):
+        tf1_syncbn.moments(x, [0], keepdims=True, keep_dims=False)
+    with pytest.raises(TypeError, match=r'keep_dims=.yes. is not a bool'):
+        tf1_syncbn.weighted_moments(x, [0], w, keep_dims='yes')
+    for training in ('yes', None):
+        with pytest.raises(TypeError, match=r'training must be a Python bool or a scalar bool '
+                                            r'tensor'):
+            tf1_syncbn.moments(x, [0], training=training)
+
+
+def test_keep_dims_is_tf1s_keepdims(graph):
+    """``keep_dims=True`` equals ``keepdims=True`` and ``tf.compat.v1.nn``'s, on one device."""
+    x = tf1.placeholder(tf.float32, [None, 2, 3])
+    w = tf1.placeholder(tf.float32, [None, 2, 1])
+    pairs = []
+    for kind, extra in (('moments', (None,)), ('weighted_moments', (w,))):
+        ours, ref = getattr(tf1_syncbn, kind), getattr(tf1.nn, kind)
+        want = ref(x, [0, 1], *extra, name='bn_moments', keep_dims=True)
+        for kwargs in (dict(keep_dims=True), dict(keepdims=True),
+                       dict(keepdims=True, keep_dims=True)):
+            got = ours(x, [0, 1], *extra, name='bn_moments', **kwargs)
+            assert [t.shape.as_list() for t in got] == [[1, 1, 3]] * 2
+            assert got[0].name.startswith('bn_moments')
+            pairs.append((got, want))
+        got = ours(x, [0, 1], *extra, keep_dims=False)
+        pairs.append((got, ref(x, [0, 1], *extra, keep_dims=False)))
+    rng = np.random.RandomState(5)
+    feed = {x: rng.randn(4, 2, 3) + 2, w: rng.uniform(0, 2, [4, 2, 1])}
+    with make_session(graph, 1) as sess:
+        for got, want in sess.run(pairs, feed):
+            for g, r in zip(got, want):
+                assert g.shape == r.shape
+                np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+
+
+# Issue 42, defect 8: a hand-written layer computing moments outside its tf.cond all-reduced
+# in every run, so fetching one tower for evaluation waited the whole collective timeout.
+@pytest.mark.parametrize('switch', ['training=is_training', 'no-switch'])
+def test_one_tower_of_a_training_graph_evaluates_alone(graph, switch):
+    """With ``training=is_training`` fed False, one tower's output runs no all-reduce.
+
+    Without it, the run fails at the (short) timeout with a message that
+    names this cause and the fix.
+    """
+    is_training = tf1.placeholder_with_default(True, [], name='is_training')
+    timeout = 2 if switch == 'no-switch' else 5
+    extra = {} if switch == 'no-switch' else dict(training=is_training)
+    xs, ys = [], []
+    for i in range(2):
+        with tf.device('/cpu:%d' % i), tf.name_scope('tower_%d' % i):
+            xs.append(tf1.placeholder(tf.float32, [None] + SHAPE))
+            ys.append(hand_written_bn(xs[-1], is_training, functools.partial(
+                tf1_syncbn.moments, num_dev=2, sync_statistics=CollectiveBackend(timeout=timeout),
+                **extra)))
+    with tf.device('/cpu:0'), tf1.variable_scope('reference'):
+        ref_x = tf1.placeholder(tf.float32, [None] + SHAPE)
+        ref_y = hand_written_bn(ref_x, is_training)            # unchanged: tf.nn.moments
+    x = np.random.RandomState(6).randn(3, *SHAPE).astype(np.float32)
+    with make_session(graph, 2) as sess:
+        sess.run(tf1.global_variables_initializer())
+        start = time.time()
+        if extra:
+            got, want = sess.run([ys[0], ref_y], {xs[0]: x, ref_x: x, is_training: False})
+            assert time.time() - start < timeout
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+            return
+        with pytest.raises(tf.errors.DeadlineExceededError) as info:
+            sess.run(ys[0], {xs[0]: x, is_training: False})
+    if kernels.library() is not None:     # the watchdog's message (else TensorFlow's own)
+        message = info.value.message
+        assert "a run that fetches some towers' synchronized ops but not the others' (e.g. " \
+               "one tower's output of a training graph, for evaluation" in message, message
+        assert 'tf1_syncbn.moments(..., training=is_training)' in message, message
+
+
+# Issue 42, suspected: towers whose kept dimensions differ only at run time aborted inside
+# TensorFlow's all-reduce ("Shape mismatch"), naming only its node.
+@pytest.mark.parametrize('case', [
+    dict(name='dynamic', channels=[None, None], fed=[3, 4],
+         expected='[tower 0:] [3] [tower 1:] [4]'),
+    dict(name='static-first', channels=[3, None], fed=[3, 4],
+         expected='tower 0 has [3] (static) and tower 1 has:] [4]'),
+    dict(name='groups', channels=[None] * 4, fed=[3, 3, 4, 5], group_size=2,
+         expected='[member 0:] [4] [member 1:] [5]'),
+], ids=lambda c: c['name'])
+def test_kept_dimensions_that_differ_at_run_time_fail_naming_the_call(graph, case):
+    towers = len(case['fed'])
+    xs, outs = [], []
+    for i, channels in enumerate(case['channels']):
+        with tf.device('/cpu:%d' % i), tf.name_scope('tower_%d' % i):
+            xs.append(tf1.placeholder(tf.float32, [None, channels]))
+            outs.append(tf1_syncbn.moments(xs[-1], [0], num_dev=towers,
+                                           group_size=case.get('group_size'),
+                                           sync_statistics=CollectiveBackend(timeout=30)))
+    with make_session(graph, towers) as sess, \
+            pytest.raises(tf.errors.InvalidArgumentError) as info:
+        sess.run(outs, {x: np.ones((2, c), np.float32) for x, c in zip(xs, case['fed'])})
+    message = info.value.message
+    assert 'Shape mismatch' not in message, message
+    assert 'tf1_syncbn.moments(tower_' in message, message
+    assert 'kept dimensions (those not in axes=[0]) differ' in message, message
+    assert case['expected'] in message, message
+    assert 'sync_statistics=None' in message and 'open a new session' in message, message
+    data = np.random.RandomState(7).randn(2 * towers, 3).astype(np.float32)
+    with make_session(graph, towers) as sess:   # one shape, in a new session: the global moments
+        got = sess.run(outs, {x: data[2 * i:2 * i + 2] for i, x in enumerate(xs)})
+    size = 2 * (case.get('group_size') or towers)
+    for i, (mean, var) in enumerate(got):
+        part = data[i // (size // 2) * size:][:size].astype(np.float64)
+        np.testing.assert_allclose(mean, part.mean(0), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(var, part.var(0), rtol=1e-5, atol=1e-6)

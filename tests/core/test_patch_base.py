@@ -1,9 +1,13 @@
-"""The one base of the four patches (``tf1_syncbn._core.patching.Patch``), on a stand-in module.
+"""The one base of the four patches (``tf1_syncbn._frontend.patching.Patch``), on a stand-in module.
 
 What every patch gets from it: changes undone in reverse order, once; an
 ``_apply`` that raises leaves nothing changed; one active patch per
 exclusive kind, each kind with its own lock and list; a failed check undoes
-the patch and raises ``PatchError`` naming the name and the way around.
+the patch and raises ``PatchError`` naming the name and the way around; a
+patch made inside ``yielding()`` (``python -m tf1_syncbn.run``'s) steps aside
+for a later one of its kind and comes back once that is restored, waits
+behind an active one, and waits without a deadlock when it arrives inside
+another patch's ``_apply`` on the same thread.
 """
 
 import threading
@@ -12,7 +16,7 @@ import types
 import pytest
 
 import tf1_syncbn
-from tf1_syncbn._core.patching import ABSENT, Name, Patch
+from tf1_syncbn._frontend.patching import ABSENT, Name, Patch, yielding
 
 #: Behaviour-independent (no graph): the TF2-behaviour pass only.
 pytestmark = pytest.mark.once
@@ -27,14 +31,17 @@ def _module():
 class _Switch(Patch):
     api, target, instead = 'patch_stand_in', 'stand_in', 'call ours directly'
 
-    def __init__(self, module, fail=False, names=()):
+    def __init__(self, module, fail=False, names=(), value='ours', during=None):
         super().__init__()
         self.module, self.fail, self.names = module, fail, list(names)
+        self.value, self.during = value, during
 
     def _apply(self):
-        self._set(self.module, 'layer', 'ours')
+        self._set(self.module, 'layer', self.value)
         self._set(self.module, 'added', 'ours', direct=True)
-        self._set_item(self.module.table, 'layer', 'ours')
+        self._set_item(self.module.table, 'layer', self.value)
+        if self.during is not None:
+            self.during()
         if self.fail:
             raise KeyError('boom')
 
@@ -95,3 +102,56 @@ def test_a_name_that_is_not_ours_undoes_the_patch_and_raises_patch_error():
     assert message.endswith('Instead, call ours directly.')
     assert (module.layer, module.table) == ('theirs', {'layer': 'theirs'})
     _Switch(module).apply().restore()                      # restored: not active
+
+
+def test_a_yielding_patch_steps_aside_for_the_scripts_own_and_comes_back():
+    module = _module()
+    with yielding():
+        runner = _Switch(module, value='runner').apply()
+    assert runner.yields and runner.active and module.layer == 'runner'
+    own = _Switch(module, value='own').apply()             # not "already patched"
+    assert not own.yields and own.active
+    assert runner.waiting and not runner.active
+    assert (module.layer, module.table) == ('own', {'layer': 'own'})
+    with pytest.raises(RuntimeError, match='already patched'):
+        _Switch(module).apply()                            # two of the script's: refused
+    own.restore()
+    assert runner.active and not runner.waiting
+    assert (module.layer, module.table) == ('runner', {'layer': 'runner'})
+    runner.restore()
+    assert (module.layer, module.table) == ('theirs', {'layer': 'theirs'})
+    assert not hasattr(module, 'added')
+
+
+def test_a_yielding_patch_waits_behind_an_active_one_and_can_be_dropped():
+    module = _module()
+    own = _Switch(module, value='own').apply()
+    with yielding():
+        runner = _Switch(module, value='runner').apply()
+        later = _Switch(module, value='later').apply()
+    assert runner.waiting and later.waiting and module.layer == 'own'
+    runner.restore()                                       # stops waiting: never applies
+    own.restore()
+    assert later.active and module.layer == 'later'
+    later.restore()
+    assert module.layer == 'theirs' and not runner.active
+
+
+def test_a_yielding_patch_made_inside_another_patchs_apply_waits_without_a_deadlock():
+    """The script's patch_tensorpack imports tensorpack, whose import makes the runner's."""
+    module, made = _module(), []
+
+    def runner_switch():                  # runs inside _apply, with the kind's lock held
+        with yielding():
+            made.append(_Switch(module, value='runner').apply())
+
+    own = _Switch(module, value='own', during=runner_switch).apply()
+    runner, = made
+    assert own.active and runner.waiting and module.layer == 'own'
+    own.restore()
+    assert runner.active and module.layer == 'runner'
+    runner.restore()
+    assert module.layer == 'theirs'
+    with pytest.raises(RuntimeError, match='is being patched'):
+        _Switch(module, during=lambda: _Switch(module).apply()).apply()
+    assert module.layer == 'theirs'

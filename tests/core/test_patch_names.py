@@ -173,7 +173,7 @@ with warnings.catch_warnings(record=True) as caught:
         keras2 = __import__(sync_keras.KERAS_PACKAGE)
         out['keras2.layers'] = issubclass(keras2.layers.BatchNormalization,
                                           sync_keras.BatchNormalization)
-        if not tf1_syncbn._core.keras2.tf_keras_is_keras3():
+        if not tf1_syncbn._frontend.keras2.tf_keras_is_keras3():
             out['tf.keras.layers'] = issubclass(tf.keras.layers.BatchNormalization,
                                                 sync_keras.BatchNormalization)
             out['tf.compat.v1.keras.layers'] = issubclass(

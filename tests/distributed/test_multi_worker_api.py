@@ -280,7 +280,7 @@ def test_worker_session_never_resumes_from_a_half_written_checkpoint(no_tf_confi
     # The state file names checkpoints 2, 4 and 6; 6 is half-written (its data
     # cut short, or its index missing), so the chief restores 4, says so,
     # and prints the start line the restarting launcher logs.
-    from tf1_syncbn.restarts import RESTART_COUNT_ENV, parse_start_line
+    from tf1_syncbn.launch.restarts import RESTART_COUNT_ENV, parse_start_line
     cluster = dist.setup_cluster(towers=1)
 
     def build():

@@ -423,7 +423,7 @@ def _checkpoint_state(run_dir, steps, saved):
 @pytest.mark.once(reason='command-line logic, before any graph is built')
 def test_auto_resume_resumes_when_a_checkpoint_is_there_else_starts_afresh(tmp_path,
                                                                          monkeypatch):
-    from tf1_syncbn.restarts import RESTART_COUNT_ENV
+    from tf1_syncbn.launch.restarts import RESTART_COUNT_ENV
     monkeypatch.delenv(RESTART_COUNT_ENV, raising=False)
     out = str(tmp_path / 'out')
     argv = COMMON + ['--out-dir', out]

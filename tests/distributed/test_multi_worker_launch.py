@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,12 +11,14 @@ import time
 import pytest
 
 from tf1_syncbn.launch import Launcher, launch, tf_config
+from tf1_syncbn.launch.restarts import Restart, describe_exit, exit_status
 
 #: Processes without TensorFlow: the TF2-behaviour pass only.
 pytestmark = pytest.mark.once
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LAUNCH = os.path.join(ROOT, 'tf1_syncbn', 'launch.py')
+#: The launcher run by its path, without the package (its folder: python runs __main__.py).
+LAUNCH = os.path.join(ROOT, 'tf1_syncbn', 'launch')
 
 # Worker 1 fails at once; worker 0 starts a grandchild in its process group and
 # then sleeps (or ignores SIGTERM); both print their pid and TF_CONFIG task.
@@ -76,6 +79,9 @@ def test_a_failed_worker_stops_the_others_and_their_children(ignore_sigterm):
     assert status == 3
     assert launcher.failed == (1, 3)
     assert launcher.exit_codes[0] == (-signal.SIGKILL if ignore_sigterm else -signal.SIGTERM)
+    # Worker 0 was stopped by the launcher: not a failure of its own.
+    assert launcher.exits[0].stopped and not launcher.exits[0].failed
+    assert launcher.exits[1].failed and not launcher.exits[1].stopped
     assert time.time() - started < 20
     pids = pids_in(launcher.lines[0] + launcher.lines[1])
     assert len(pids) == 4
@@ -98,6 +104,8 @@ def test_timeout_stops_every_worker():
         time.sleep(0.05)
     assert launcher.wait(timeout=0.5) == 124
     assert wait_gone(pids_in(launcher.lines[0] + launcher.lines[1])) == []
+    # The workers the launcher stopped did not fail: there is no root cause.
+    assert launcher.failed is None and all(e.stopped for e in launcher.exits)
 
 
 def _start_cli(tmp_path):
@@ -238,8 +246,8 @@ time.sleep(300)
 
 
 def test_max_restarts_restarts_every_worker_until_the_job_succeeds():
-    from tf1_syncbn.restarts import Restart
     restarts, out = [], _Lines()
+    started = time.time()
     status = launch([sys.executable, '-c', RESTARTING, '2'], 2, timeout=60, max_restarts=3,
                     restarts=restarts, output=out, grace=0.2, kill_after=1.0)
     text = '\n'.join(out.lines)
@@ -252,15 +260,19 @@ def test_max_restarts_restarts_every_worker_until_the_job_succeeds():
     assert all(s[7] == '3' for s in starts)
     assert len({' '.join(s[9:]) for s in starts if s[1] == '0'}) == 3, text
     assert wait_gone([int(s[3]) for s in starts]) == []
-    # Each restart: the worker, its exit cause, the step the chief resumed at.
+    # Each restart: the worker, its exit cause, when it ended, the step the chief
+    # resumed at; worker 0 was stopped by the launcher, not a consequence.
     assert [type(r) for r in restarts] == [Restart, Restart]
+    assert started < restarts[0].ended_at < restarts[1].ended_at < time.time()
     assert [r.to_dict() for r in restarts] == [
         {'restart': 1, 'worker': 1, 'cause': 'killed by SIGKILL', 'exit_status': 137,
          'last_line': restarts[0].last_line,
-         'resumed': [{'step': 10, 'checkpoint': '/c/model.ckpt-10', 'directory': None}]},
+         'resumed': [{'step': 10, 'checkpoint': '/c/model.ckpt-10', 'directory': None}],
+         'ended_at': restarts[0].ended_at, 'consequences': []},
         {'restart': 2, 'worker': 1, 'cause': 'exited with status 3', 'exit_status': 3,
          'last_line': 'boom',
-         'resumed': [{'step': 20, 'checkpoint': '/c/model.ckpt-20', 'directory': None}]}]
+         'resumed': [{'step': 20, 'checkpoint': '/c/model.ckpt-20', 'directory': None}],
+         'ended_at': restarts[1].ended_at, 'consequences': []}]
     for line in ('[launcher] restart 1 of 3: worker 1 killed by SIGKILL; every worker is '
                  'stopped and starts again',
                  '[launcher] restart 1: worker 0 resumed at step 10 from /c/model.ckpt-10',
@@ -316,3 +328,161 @@ def test_a_stopped_job_is_never_restarted(tmp_path):
     assert launch([sys.executable, '-c', WORKER, '-1'], 2, timeout=1, max_restarts=5,
                   output=out, kill_after=1) == 124
     assert not [l for l in out.lines if 'restart' in l], out.lines
+
+
+# The root cause of a failed attempt. Both workers wait; SIGUSR1 makes one fail
+# by itself (status 3), SIGUSR2 makes one fail as a peer that lost a worker does
+# (status 1); each first prints a long line. In a restarted attempt both exit 0.
+PEERS = r"""
+import json, os, signal, sys, time
+task = json.loads(os.environ['TF_CONFIG'])['task']['index']
+if os.environ.get('TF1_SYNCBN_RESTART_COUNT') == '1':
+    sys.exit(0)
+def fail(status, line):
+    def handler(signum, frame):
+        print(line, flush=True)
+        sys.exit(status)
+    return handler
+signal.signal(signal.SIGUSR1, fail(3, %r %% task))
+signal.signal(signal.SIGUSR2, fail(1, %r %% (task, 1 - task)))
+print('ready', flush=True)
+time.sleep(300)
+"""
+BOOM = ('Traceback: worker %d: ValueError: cannot parse record 1234 of '
+        '/data/train-00017-of-00100.tfrecord: feature "label" should be an int64 list, got a '
+        'bytes list; check the converter that wrote this shard, or skip bad records with '
+        'ignore_errors()')
+LOST = ('ERROR worker %d (localhost:1111): a worker was lost during training '
+        '(UnavailableError: Collective ops is aborted by: failed to connect to all addresses; '
+        'last error: Connection refused; not answering: worker %d (localhost:2222)). Every '
+        'worker stops: restart the job, which resumes from the chief\'s latest checkpoint.')
+PEERS = PEERS % (BOOM, LOST)
+
+
+def _ended(pid):
+    """Waits until ``pid`` has ended (a zombie counts), then up to 3 s until it is reaped."""
+    assert wait_gone([pid]) == []
+    deadline = time.time() + 3
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.01)
+
+
+def _fail_in_turn(pids, victim, how):
+    """Worker ``victim`` fails (SIGKILL, or status 3); once it has ended, the other exits 1."""
+    os.kill(pids[victim], signal.SIGKILL if how == 'SIGKILL' else signal.SIGUSR1)
+    _ended(pids[victim])
+    time.sleep(0.2)
+    os.kill(pids[1 - victim], signal.SIGUSR2)
+    _ended(pids[1 - victim])
+
+
+@pytest.mark.parametrize('victim, how', [(1, 'SIGKILL'), (0, 'SIGKILL'), (1, 'status 3')])
+def test_the_root_cause_is_the_first_worker_to_end_however_late_the_launcher_looks(victim,
+                                                                                   how):
+    # The launcher looks only once both workers have ended (nothing polls it
+    # before wait()): its index order must not decide which one it blames.
+    out = _Lines()
+    launcher = Launcher([sys.executable, '-c', PEERS], 2, output=out, grace=5,
+                        kill_after=1).start()
+    deadline = time.time() + 60
+    while not all(lines[-1:] == ['ready'] for lines in launcher.lines):
+        assert time.time() < deadline, launcher.lines
+        time.sleep(0.02)
+    _fail_in_turn(launcher.pids, victim, how)
+    status = launcher.wait(timeout=60)
+    text = '\n'.join(out.lines)
+    code, other = (-signal.SIGKILL if how == 'SIGKILL' else 3), 1 - victim
+    cause = describe_exit(code)
+    # The log: the root cause (nothing left running), then the other as its consequence.
+    ended = [l for l in out.lines if re.match(r'\[launcher\] worker \d (?!:)', l)]
+    assert len(ended) == 2, text
+    assert ended[0] == '[launcher] worker %d %s' % (victim, cause), text
+    consequence = re.match(r'\[launcher\] worker %d exited with status 1, (\d+\.\d\d) s after '
+                           r'worker %d %s$' % (other, victim, re.escape(
+                               ('was ' if code < 0 else '') + cause)), ended[1])
+    assert consequence and float(consequence.group(1)) >= 0.15, text
+    assert launcher.failed == (victim, code), text
+    assert status == exit_status(code)
+    # The record of a restart (metrics.json's) names the same, and the consequence.
+    record = Restart.of_attempt(1, launcher.exits).to_dict()
+    assert (record['worker'], record['cause'], record['exit_status']) == \
+        (victim, cause, exit_status(code))
+    assert record['last_line'] == ('ready' if code < 0 else BOOM % victim)
+    assert [(c['worker'], c['cause'], c['exit_status'], c['last_line'])
+            for c in record['consequences']] == [(other, 'exited with status 1', 1,
+                                                  LOST % (other, victim))]
+    assert record['consequences'][0]['seconds_after'] == pytest.approx(
+        launcher.exits[other].ended_at - record['ended_at'], abs=1e-3)
+    assert record['consequences'][0]['seconds_after'] >= 0.15
+
+
+def test_a_paused_launcher_names_the_root_cause_and_restarts_for_it():
+    # The command-line launcher, paused (SIGSTOP) while worker 1 fails by itself
+    # and worker 0 then exits 1; it resumes once both have ended. Attempt 1 passes.
+    proc = subprocess.Popen([sys.executable, LAUNCH, '--workers', '2', '--grace', '5',
+                             '--kill-after', '1', '--max-restarts', '1', '--',
+                             sys.executable, '-c', PEERS], stdout=subprocess.PIPE, text=True)
+    lines, pids = [], {}
+    while len([l for l in lines if l.startswith('[worker') and 'ready' in l]) < 2:
+        lines.append(proc.stdout.readline())
+        assert lines[-1], ''.join(lines)        # the launcher ended before its workers spoke
+        started = re.match(r'\[launcher\] worker (\d): pid (\d+)', lines[-1])
+        if started:
+            pids[int(started.group(1))] = int(started.group(2))
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        _fail_in_turn(pids, 1, 'status 3')
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    out = ''.join(lines) + proc.stdout.read()
+    assert proc.wait(timeout=60) == 0, out
+    launcher = [l for l in out.splitlines() if l.startswith('[launcher] ')]
+    assert launcher[2:4] == ['[launcher] worker 1 exited with status 3', launcher[3]], out
+    assert re.match(r'\[launcher\] worker 0 exited with status 1, \d+\.\d\d s after worker 1 '
+                    r'exited with status 3$', launcher[3]), out
+    assert launcher[4].startswith(
+        "[launcher] restart 1 of 1: worker 1 exited with status 3 (its last line: 'Traceback: "
+        "worker 1: ValueError: cannot parse record 1234 of ... should be an int64 list, got a "
+        "bytes list; check the converter that wrote this shard, or skip bad records with "
+        "ignore_errors()'); every worker is stopped and starts again"), out
+
+
+def test_long_lines_are_cut_at_word_boundaries_with_an_ellipsis():
+    from tf1_syncbn.launch.restarts import shorten
+    # 313 characters: a third of the width for the start, the rest for the end.
+    assert shorten(LOST % (0, 1)) == (
+        'ERROR worker 0 (localhost:1111): a worker was lost during ... not answering: worker 1 '
+        '(localhost:2222)). Every worker stops: restart the job, which resumes from the '
+        'chief\'s latest checkpoint.')
+    assert shorten(LOST % (0, 1), 60) == 'ERROR worker 0 ... from the chief\'s latest checkpoint.'
+    assert shorten('short enough', 12) == 'short enough'
+    assert shorten('a' * 30 + ' b', 20) == 'aaaaa ... b'    # a word longer than its part: cut
+
+
+def test_a_failure_noticed_after_a_later_one_becomes_the_root_cause():
+    # The launcher's bookkeeping driven directly, with made-up end times: worker 0
+    # (status 1 at t=10.5) is noticed first, then worker 1 (SIGKILL at t=10.0),
+    # then worker 2, which the launcher had stopped.
+    from tf1_syncbn.launch.restarts import WorkerExit
+    out = _Lines()
+    launcher = Launcher(['x'], 3, output=out, addresses=['a:1', 'b:2', 'c:3'], grace=7)
+    for k, record in enumerate([WorkerExit(0, 1, 10.5), WorkerExit(1, -9, 10.0),
+                                WorkerExit(2, -15, 12.0, stopped=True)]):
+        launcher.exits[k] = record
+        launcher._announce([k])
+    assert out.lines == [
+        '[launcher] worker 0 exited with status 1; the others get 7 s to exit on their own, '
+        'then they are stopped',
+        '[launcher] worker 1 killed by SIGKILL; it ended 0.50 s before worker 0 failed, which '
+        'is then a consequence',
+        '[launcher] worker 2 stopped by the launcher (killed by SIGTERM)']
+    assert launcher.failed == (1, -9)
+    record = Restart.of_attempt(1, launcher.exits)
+    assert (record.worker, record.code, record.ended_at) == (1, -9, 10.0)
+    assert [c.to_dict(WorkerExit(1, -9, 10.0)) for c in record.consequences] == [
+        {'worker': 0, 'cause': 'exited with status 1', 'exit_status': 1, 'ended_at': 10.5,
+         'last_line': None, 'seconds_after': 0.5}]

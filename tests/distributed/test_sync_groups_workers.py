@@ -1,8 +1,9 @@
 """Sync groups across worker processes: 2 workers x 2 towers on localhost, one short job.
 
 Per-worker groups (``group_size=2``), groups across the workers
-(``[[0, 2], [1, 3]]``) and each tower alone (``group_size=1``), in one graph
-(``tests/support/sync_groups_workers.py``): every tower's outputs and input gradients
+(``[[0, 2], [1, 3]]``), each tower alone (``group_size=1``) and one tower alone
+next to a group of three (``[[0], [1, 2, 3]]``, ``[[0, 1, 2], [3]]``), in one
+graph (``tests/support/sync_groups_workers.py``): every tower's outputs and input gradients
 equal float64 batch norm on its group's concatenated batch, and every worker's
 moving statistics are those of worker 0's main tower's group (global tower 0),
 identical on both workers.
@@ -25,7 +26,8 @@ SUPPORT = os.path.join(ROOT, 'tests', 'support')
 EPS = 1e-3
 #: layer -> its groups of global towers
 GROUPS = {'per_worker': [[0, 1], [2, 3]], 'across': [[0, 2], [1, 3]],
-          'alone': [[0], [1], [2], [3]]}
+          'alone': [[0], [1], [2], [3]], 'first_alone': [[0], [1, 2, 3]],
+          'last_alone': [[0, 1, 2], [3]]}
 
 
 def test_two_workers_of_two_towers_in_groups_equal_their_groups_references():

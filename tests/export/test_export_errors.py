@@ -265,6 +265,7 @@ def test_an_op_that_needs_this_process_is_refused_also_horovod(op_type):
     import tensorflow as tf
 
     from tf1_syncbn import backends, export
+    from tf1_syncbn.export import checks
     for backend in backends.BACKENDS.values():
         assert backend.op_type_prefix in export.FORBIDDEN_OP_PREFIXES
         assert all(t.startswith(backend.op_type_prefix) for t in backend.op_types)
@@ -274,4 +275,4 @@ def test_an_op_that_needs_this_process_is_refused_also_horovod(op_type):
         nodes.add(name='all_reduce', op=op_type)
         with pytest.raises(ValueError, match=r'only this library or this process can run: '
                                              r'all_reduce \(%s\)' % op_type):
-            export._check(graph_def, {})
+            checks.check_exported(graph_def, {})

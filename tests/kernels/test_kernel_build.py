@@ -15,7 +15,9 @@ import sys
 
 import pytest
 
+from test_kernels import _subprocess_env
 from tf1_syncbn import kernels
+from tf1_syncbn.kernels import arch, cache
 
 #: Compiler flags, the cache and the build's messages, whatever the TF behaviour (the
 #: kernels' numerics run in both passes: test_kernels.py): the TF2-behaviour pass only.
@@ -73,7 +75,7 @@ def calls(compiler):
 @pytest.fixture
 def fresh_probes(monkeypatch):
     """No compiler answers remembered from earlier tests."""
-    monkeypatch.setattr(kernels, '_PROBES', {})
+    monkeypatch.setattr(arch, '_PROBES', {})
 
 
 def test_cpuinfo_flags_are_read_from_the_file(tmp_path):
@@ -81,15 +83,15 @@ def test_cpuinfo_flags_are_read_from_the_file(tmp_path):
     cpuinfo.write_text('processor\t: 0\nvendor_id\t: AuthenticAMD\n'
                        'flags\t\t: fpu sse2 avx2 bmi2\nbugs\t\t: sysret_ss_attrs\n\n'
                        'processor\t: 1\nflags\t\t: fpu sse2 avx2 bmi2\n')
-    assert kernels._cpu_flags(str(cpuinfo)) == {'fpu', 'sse2', 'avx2', 'bmi2'}
-    assert kernels._cpu_flags(str(tmp_path / 'missing')) == frozenset()
+    assert arch.cpu_flags(str(cpuinfo)) == {'fpu', 'sse2', 'avx2', 'bmi2'}
+    assert arch.cpu_flags(str(tmp_path / 'missing')) == frozenset()
 
 
 @pytest.mark.parametrize('absent', V3_CPU_FLAGS)
 def test_a_cpu_missing_any_v3_feature_gets_a_portable_build(absent):
     """The old check looked at avx2, fma and bmi2 only: a CPU without, say, movbe
     got -march=x86-64-v3 code that can fault on it."""
-    flags, why = kernels._arch_flags(cpu_flags=V3_CPU - {absent}, machine='x86_64',
+    flags, why = arch.arch_flags(cpu_flags=V3_CPU - {absent}, machine='x86_64',
                                      compiler='/no/compiler/asked')
     assert flags == ()
     assert 'lacks x86-64-v3' in why and absent in why.split('(no ')[1], why
@@ -97,21 +99,21 @@ def test_a_cpu_missing_any_v3_feature_gets_a_portable_build(absent):
 
 def test_the_three_flags_the_old_check_used_are_not_enough():
     cpu = {'fpu', 'sse', 'sse2', 'avx2', 'fma', 'bmi2'}
-    assert kernels._arch_candidates(cpu, 'x86_64') == (
+    assert arch.arch_candidates(cpu, 'x86_64') == (
         [()], 'the CPU lacks x86-64-v3 (no %s)' % ', '.join(
-            f for f in kernels._X86_64_V3_CPU_FLAGS if f not in cpu))
+            f for f in arch.X86_64_V3_CPU_FLAGS if f not in cpu))
 
 
 def test_other_machines_get_no_arch_flag():
-    flags, why = kernels._arch_flags(cpu_flags=V3_CPU, machine='aarch64', compiler=GXX)
+    flags, why = arch.arch_flags(cpu_flags=V3_CPU, machine='aarch64', compiler=GXX)
     assert flags == () and 'aarch64' in why
 
 
 @needs_gxx
 def test_a_compiler_that_accepts_the_level_gets_it(tmp_path, fresh_probes):
-    if not kernels._probe(GXX, ('-march=x86-64-v3',))[0]:
+    if not arch.probe(GXX, ('-march=x86-64-v3',))[0]:
         pytest.skip('this g++ rejects -march=x86-64-v3 (older than 11)')
-    flags, why = kernels._arch_flags(cpu_flags=V3_CPU, machine='x86_64', compiler=GXX)
+    flags, why = arch.arch_flags(cpu_flags=V3_CPU, machine='x86_64', compiler=GXX)
     assert flags == ('-march=x86-64-v3',) and why == '-march=x86-64-v3'
 
 
@@ -119,14 +121,14 @@ def test_a_compiler_that_accepts_the_level_gets_it(tmp_path, fresh_probes):
 def test_a_gxx10_like_compiler_gets_the_explicit_flags_and_is_asked_once(tmp_path,
                                                                          fresh_probes):
     cxx = fake_compiler(tmp_path, 'march-v3')
-    flags, why = kernels._arch_flags(cpu_flags=V3_CPU, machine='x86_64', compiler=cxx)
+    flags, why = arch.arch_flags(cpu_flags=V3_CPU, machine='x86_64', compiler=cxx)
     assert sorted(flags) == sorted(EXPLICIT)
     assert 'rejects -march=x86-64-v3' in why and GXX10_ERROR in why, why
     probes = calls(cxx)
     assert len(probes) == 2 and '-march=x86-64-v3' in probes[0].split(), probes
     assert set(EXPLICIT) <= set(probes[1].split()) and '-march' not in probes[1], probes
     # Asked once per process and compiler, however often the flags are wanted.
-    assert kernels._arch_flags(cpu_flags=V3_CPU, machine='x86_64', compiler=cxx)[0] == flags
+    assert arch.arch_flags(cpu_flags=V3_CPU, machine='x86_64', compiler=cxx)[0] == flags
     assert len(calls(cxx)) == 2
 
 
@@ -134,14 +136,14 @@ def test_a_gxx10_like_compiler_gets_the_explicit_flags_and_is_asked_once(tmp_pat
 def test_the_explicit_flags_really_enable_the_level(tmp_path, fresh_probes):
     """The probe compiles code that needs the level, not just any file: with a
     subset of the flags (here without -mavx2) it must say no."""
-    assert kernels._probe(GXX, tuple(EXPLICIT))[0]
-    assert not kernels._probe(GXX, tuple(f for f in EXPLICIT if f != '-mavx2'))[0]
+    assert arch.probe(GXX, tuple(EXPLICIT))[0]
+    assert not arch.probe(GXX, tuple(f for f in EXPLICIT if f != '-mavx2'))[0]
 
 
 @needs_gxx
 def test_a_compiler_rejecting_every_arch_flag_gets_a_portable_build(tmp_path, fresh_probes):
     cxx = fake_compiler(tmp_path, 'any-m')
-    flags, why = kernels._arch_flags(cpu_flags=V3_CPU, machine='x86_64', compiler=cxx)
+    flags, why = arch.arch_flags(cpu_flags=V3_CPU, machine='x86_64', compiler=cxx)
     assert flags == ()
     assert why.startswith('portable: ') and 'accepts neither' in why, why
     assert len(calls(cxx)) == 2
@@ -151,19 +153,19 @@ def test_a_compiler_rejecting_every_arch_flag_gets_a_portable_build(tmp_path, fr
 @on_x86_64
 def test_the_cache_key_holds_the_flags_used_and_a_cached_build_needs_no_compiler(
         tmp_path, monkeypatch, fresh_probes):
-    monkeypatch.setattr(kernels, '_CPU_FLAGS', [V3_CPU])
+    monkeypatch.setattr(arch, '_CPU_FLAGS', [V3_CPU])
     monkeypatch.setenv('TF1_SYNCBN_CACHE', str(tmp_path / 'cache'))
     cxx = fake_compiler(tmp_path, 'march-v3')
     monkeypatch.setenv('CXX', cxx)
-    march, explicit, portable = kernels._cache_keys(
-        [('-march=x86-64-v3',), kernels._V3_EXPLICIT, ()])
+    march, explicit, portable = cache._cache_keys(
+        [('-march=x86-64-v3',), arch.V3_EXPLICIT, ()])
     assert len({march, explicit, portable}) == 3
     path = lambda key: str(tmp_path / 'cache' / key / 'sync_bn_ops.so')
     # Nothing cached: the compiler is asked, and the path is the explicit flags' build.
     assert kernels.cache_path() == path(explicit)
     assert len(calls(cxx)) == 2
     # Cached: found again in a fresh process (no remembered answers) without a probe ...
-    monkeypatch.setattr(kernels, '_PROBES', {})
+    monkeypatch.setattr(arch, '_PROBES', {})
     os.makedirs(os.path.dirname(path(explicit)))
     open(path(explicit), 'w').close()
     assert kernels.cache_path() == path(explicit)
@@ -176,14 +178,6 @@ def test_the_cache_key_holds_the_flags_used_and_a_cached_build_needs_no_compiler
     monkeypatch.setenv('CXX', str(tmp_path / 'no' / 'g++'))
     assert kernels.cache_path() == path(march)
     assert len(calls(cxx)) == 2
-
-
-def _env(**extra):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3', PYTHONPATH=ROOT + os.pathsep +
-               os.path.join(ROOT, 'tests', 'support') + os.pathsep +
-               os.path.join(ROOT, 'tests'))
-    env.update(extra)
-    return env
 
 
 LAYER = '''
@@ -215,12 +209,12 @@ print(kernels.status())
 @on_x86_64
 @pytest.mark.timeout(COMPILE_TIMEOUT_S + SUBPROCESS_TIMEOUT_S + 60)
 def test_a_gxx10_like_compiler_builds_a_loadable_library_with_the_explicit_flags(tmp_path):
-    why = kernels._arch_candidates()[1]
+    why = arch.arch_candidates()[1]
     if why:
         pytest.skip('this machine gets a portable build: %s' % why)
     cxx = fake_compiler(tmp_path, 'march-v3')
     cache = tmp_path / 'cache'
-    env = _env(CXX=cxx, TF1_SYNCBN_CACHE=str(cache))
+    env = _subprocess_env(CXX=cxx, TF1_SYNCBN_CACHE=str(cache))
     run = subprocess.run([sys.executable, '-m', 'tf1_syncbn.kernels'], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
     assert run.returncode == 0, run.stderr
@@ -251,7 +245,7 @@ def test_a_failed_compile_says_why_in_one_warning(tmp_path):
                    'echo "sync_bn_ops.cc:1:1: error: simulated compiler failure" >&2; exit 1;; '
                    'esac\nexec %s "$@"\n' % GXX)
     cxx.chmod(0o755)
-    env = _env(CXX=str(cxx), TF1_SYNCBN_CACHE=str(tmp_path / 'cache'))
+    env = _subprocess_env(CXX=str(cxx), TF1_SYNCBN_CACHE=str(tmp_path / 'cache'))
     run = subprocess.run([sys.executable, '-c', LAYER, str(cxx) + '.log'], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert run.returncode == 0, run.stderr
@@ -259,6 +253,6 @@ def test_a_failed_compile_says_why_in_one_warning(tmp_path):
     assert '\nstock kernels (compiling ' in run.stdout, run.stdout
     warnings = [l for l in run.stderr.splitlines() if 'custom CPU kernels unavailable' in l]
     assert len(warnings) == 1, run.stderr
-    why = kernels._arch_flags(compiler=str(cxx))[1]   # what the build was told: its flags
+    why = arch.arch_flags(compiler=str(cxx))[1]   # what the build was told: its flags
     assert why in warnings[0], (why, warnings[0])
     assert run.stderr.count('simulated compiler failure') == 1, run.stderr

@@ -13,6 +13,7 @@ import tensorflow as tf
 from bn_reference import build_towers
 from conftest import make_session
 from tf1_syncbn import CollectiveBackend, kernels, sync_batch_norm
+from tf1_syncbn.kernels import cache
 
 tf1 = tf.compat.v1
 CUSTOM_OPS = {'SyncBnMoments', 'SyncBnNormalize', 'SyncBnGradSums', 'SyncBnGradInput'}
@@ -207,7 +208,7 @@ def test_kernel_ops_reject_bad_shapes(graph):
 
 @pytest.mark.once(reason=BUILD)
 def test_cache_key_ignores_checkout_and_environment_paths(monkeypatch, tmp_path):
-    path, original_source = kernels.cache_path(), kernels._SOURCE
+    path, original_source = kernels.cache_path(), cache._SOURCE
     compile_flags, link_flags = tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()
     moved = lambda flags: [('-I' + str(tmp_path / 'venv' / f[2:].lstrip('/'))) if
                            f.startswith('-I') else ('-L' + str(tmp_path / f[2:].lstrip('/')))
@@ -216,15 +217,15 @@ def test_cache_key_ignores_checkout_and_environment_paths(monkeypatch, tmp_path)
     monkeypatch.setattr(tf.sysconfig, 'get_link_flags', lambda: moved(link_flags))
     source = tmp_path / 'clone' / 'sync_bn_ops.cc'
     source.parent.mkdir()
-    shutil.copy(kernels._SOURCE, source)
-    monkeypatch.setattr(kernels, '_SOURCE', str(source))
+    shutil.copy(cache._SOURCE, source)
+    monkeypatch.setattr(cache, '_SOURCE', str(source))
     assert kernels.cache_path() == path
     # ... but the source and the flags are part of it.
     source.write_text(source.read_text() + '\n// changed\n')
     assert kernels.cache_path() != path
-    monkeypatch.setattr(kernels, '_SOURCE', original_source)
+    monkeypatch.setattr(cache, '_SOURCE', original_source)
     assert kernels.cache_path() == path
-    monkeypatch.setattr(kernels, '_OPT_FLAGS', ['-O2', '-shared', '-fPIC'])
+    monkeypatch.setattr(cache, '_OPT_FLAGS', ['-O2', '-shared', '-fPIC'])
     assert kernels.cache_path() != path
 
 

@@ -11,7 +11,7 @@ each module's test names every failing case of it with its error. (The parity
 modules run their own child, which reuses their reference results.)
 """
 
-import importlib.util
+import importlib
 import os
 import sys
 
@@ -30,18 +30,12 @@ MODULES = tf_behavior.pick(['compute/test_exactness.py', 'compute/test_numerics.
 
 
 def _module(path):
-    """The test module at ``path`` (under tests/), imported under its file's name as pytest does."""
-    name = os.path.splitext(os.path.basename(path))[0]
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(TESTS, path))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-    return sys.modules[name]
+    """The test module at ``path`` (under tests/), imported as pytest does (its folder first on
+    ``sys.path``, the file's name as the module's): the same module object pytest runs."""
+    folder = os.path.join(TESTS, os.path.dirname(path))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(os.path.splitext(os.path.basename(path))[0])
 
 
 @pytest.fixture(scope='module')

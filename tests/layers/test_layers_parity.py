@@ -48,7 +48,7 @@ NAMES = [c['name'] for c in PARITY_CASES]
 # partitions, momentum, trainable, the object API), or repeat a layout of
 # these; the slim and tensorpack parity modules run the same core's stock
 # kernels over every rank and layout. Of the other axis forms, one per view
-# the core normalizes (tf1_syncbn._core.axes): a middle axis folded by a
+# the core normalizes (tf1_syncbn._frontend.axes): a middle axis folded by a
 # reshape, axes apart transposed (with renorm's separate ops too), ghost
 # batches on a transposed view.
 STOCK_PRODUCT = [PARITY_CASES[NAMES.index(name)] for name in NAMES if name in (
@@ -63,7 +63,7 @@ STOCK_PRODUCT = [PARITY_CASES[NAMES.index(name)] for name in NAMES if name in (
 # (tf1_syncbn._core.normalize: sync_normalize with kernel_sets.kernels_for); its
 # slow path (renorm, adjustment, fused=False) and ghost batches build the same
 # TensorFlow ops whichever the set, and so does every view
-# (tf1_syncbn._core.axes), built before the core, which sees a 4-D NHWC or NCHW
+# (tf1_syncbn._frontend.axes), built before the core, which sees a 4-D NHWC or NCHW
 # tensor. make test keeps the fast path in both layouts (NCHW: a folded middle
 # view, bfloat16-rank5-axis1; NHWC: float16-rank4, mean1e4-rank4), in a tf.cond
 # (training_tensor-rank4), in each 16-bit type and with the large mean, and one

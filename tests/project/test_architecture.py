@@ -15,7 +15,10 @@ be listed, so a new one is placed on purpose. Besides:
   name starting with ``_`` from another, and no ``_`` module of it, except
   the library's internals (:data:`INTERNALS`: ``tf1_syncbn._core``,
   ``._sync``, ``._compute``), which its own packages import;
-* ``tower`` imports nothing of ``tf1_syncbn``.
+* ``tower`` imports nothing of ``tf1_syncbn``;
+* the top of ``tf1_syncbn/`` holds a dozen public modules at most, and no
+  package's ``__init__.py`` below it is over :data:`MAX_FACE_LINES` lines (a
+  face: its docstring and re-exports).
 """
 
 import ast
@@ -30,10 +33,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PACKAGES = ('tf1_syncbn', 'tower')
 #: The most modules right under tf1_syncbn/ (issue 34: "at most about a dozen").
 MAX_TOP_MODULES = 12
+#: The most lines of a package's ``__init__.py`` below ``tf1_syncbn/`` (issue 44: faces that
+#: only face; the logic lives in modules named for what they do).
+MAX_FACE_LINES = 100
 #: The library's private packages: its internals, which its own packages may import.
-INTERNALS = ('tf1_syncbn._core', 'tf1_syncbn._sync', 'tf1_syncbn._compute', 'tf1_syncbn._cli')
+INTERNALS = ('tf1_syncbn._frontend', 'tf1_syncbn._core', 'tf1_syncbn._sync', 'tf1_syncbn._compute',
+             'tf1_syncbn._graph', 'tf1_syncbn._cli')
 
-_FRONT_END = {'tf1_syncbn._core', 'tf1_syncbn.backends', 'tf1_syncbn.errors',
+_FRONT_END = {'tf1_syncbn._frontend', 'tf1_syncbn.backends', 'tf1_syncbn.errors',
               'tf1_syncbn.timeouts', 'tower'}
 #: What imports what: package -> the packages it may import (besides itself).
 #: ``'*'``: every package (what users import or run reaches anything).
@@ -42,33 +49,45 @@ LAYERS = {
     'tower': set(),
     'tf1_syncbn.errors': set(),
     'tf1_syncbn.timeouts': set(),
-    # The launcher's restart policy (launch.py runs as a plain script too: no TensorFlow).
-    'tf1_syncbn.restarts': set(),
+    # python -m tf1_syncbn.launch, its supervisor and restart policy (it also runs by its
+    # path, without the package: the standard library only).
+    'tf1_syncbn.launch': set(),
     # The commands' parsers, answering --help before TensorFlow loads: the standard library.
     'tf1_syncbn._cli': set(),
     'tf1_syncbn.kernels': {'tf1_syncbn._cli'},
+    # The library's per-graph cache, on tower's root graph.
+    'tf1_syncbn._graph': {'tower'},
     # Communication, then computation, then synchronization, then the core.
     'tf1_syncbn.backends': {'tf1_syncbn.timeouts', 'tf1_syncbn.errors'},
-    'tf1_syncbn._compute': {'tf1_syncbn.backends', 'tf1_syncbn.timeouts', 'tower'},
-    'tf1_syncbn.kernel_sets': {'tf1_syncbn._compute', 'tf1_syncbn.kernels', 'tower'},
+    'tf1_syncbn._compute': {'tf1_syncbn.backends', 'tf1_syncbn.timeouts', 'tf1_syncbn._graph',
+                            'tower'},
+    'tf1_syncbn.kernel_sets': {'tf1_syncbn._compute', 'tf1_syncbn.kernels', 'tf1_syncbn._graph',
+                               'tower'},
     'tf1_syncbn._sync': {'tf1_syncbn._compute', 'tf1_syncbn.backends', 'tf1_syncbn.timeouts',
-                         'tf1_syncbn.errors', 'tf1_syncbn.kernels', 'tower'},
+                         'tf1_syncbn.errors', 'tf1_syncbn.kernels', 'tf1_syncbn._graph', 'tower'},
     'tf1_syncbn._core': {'tf1_syncbn._sync', 'tf1_syncbn._compute', 'tf1_syncbn.kernel_sets',
                          'tf1_syncbn.backends', 'tf1_syncbn.timeouts', 'tf1_syncbn.errors',
-                         'tower'},
-    # The front-ends: the core and the public leaves, never each other.
+                         'tf1_syncbn._graph', 'tower'},
+    # What the front-ends share: their two doors (building a call, patching) and the kit.
+    'tf1_syncbn._frontend': {'tf1_syncbn._core', 'tf1_syncbn._graph', 'tf1_syncbn.errors'},
+    # The front-ends: the core through the kit's doors, and the public leaves, never each other.
     'tf1_syncbn.slim': _FRONT_END,
     'tf1_syncbn.tensorpack': _FRONT_END,
     'tf1_syncbn.layers': _FRONT_END,
     'tf1_syncbn.keras': _FRONT_END,
+    'tf1_syncbn.nn': _FRONT_END,
     # Beside the layers: the audit reads graphs only (not the core that builds them).
     'tf1_syncbn.audit': {'tf1_syncbn._cli', 'tf1_syncbn.backends', 'tf1_syncbn.errors', 'tower'},
     'tf1_syncbn.export': {'tf1_syncbn._core', 'tf1_syncbn._compute', 'tf1_syncbn.backends',
                           'tf1_syncbn.errors', 'tf1_syncbn.kernels'},
+    # (The launch package: the restart environment and the chief's start line.)
     'tf1_syncbn.distributed': {'tf1_syncbn._sync', 'tf1_syncbn.backends', 'tf1_syncbn.timeouts',
-                               'tf1_syncbn.errors', 'tf1_syncbn.restarts', 'tower'},
+                               'tf1_syncbn.errors', 'tf1_syncbn.launch', 'tower'},
     # What users import or run.
-    'tf1_syncbn.launch': {'tf1_syncbn.restarts'},
+    # python -m tf1_syncbn.run: the front-ends' public patches, the audit, and the
+    # front-ends' patching door (yielding, which Keras 2 package).
+    'tf1_syncbn.run': {'tf1_syncbn._frontend', 'tf1_syncbn.audit', 'tf1_syncbn.layers',
+                       'tf1_syncbn.slim', 'tf1_syncbn.tensorpack', 'tf1_syncbn.keras'},
     'tf1_syncbn.selftest': '*',
     'tf1_syncbn': '*',
 }
@@ -246,6 +265,40 @@ def test_the_top_level_checker_finds_private_and_too_many_modules():
     assert top_level_problems(many[:-1]) == []
 
 
+def face_problems(faces):
+    """What is wrong with the faces below ``tf1_syncbn``: ``faces`` is ``{package: the source of
+    its __init__.py}`` (``tf1_syncbn``'s own, the public API, is the top: not below it)."""
+    return ['%s/__init__.py has %d lines (at most %d): keep the face to its docstring and '
+            're-exports, and move the body into modules named for what they do' % (
+                name.replace('.', '/'), len(source.splitlines()), MAX_FACE_LINES)
+            for name, source in sorted(faces.items())
+            if name.startswith('tf1_syncbn.') and len(source.splitlines()) > MAX_FACE_LINES]
+
+
+def _faces():
+    """``{package: the source of its __init__.py}`` of the tree."""
+    faces = {}
+    for name, path in _modules().items():
+        if os.path.basename(path) == '__init__.py':
+            with open(path) as f:
+                faces[name] = f.read()
+    return faces
+
+
+def test_no_package_face_below_the_top_is_over_100_lines():
+    faces = _faces()
+    assert {'tf1_syncbn', 'tf1_syncbn.export', 'tf1_syncbn.launch', 'tower'} <= set(faces)
+    assert face_problems(faces) == []
+
+
+def test_the_face_checker_finds_a_long_init_below_the_top_only():
+    long, short = 'x = 1\n' * (MAX_FACE_LINES + 1), 'x = 1\n' * MAX_FACE_LINES
+    assert face_problems({'tf1_syncbn': long, 'tf1_syncbn.export': long,
+                          'tf1_syncbn.kernels': short, 'tower': long}) == [
+        'tf1_syncbn/export/__init__.py has 101 lines (at most 100): keep the face to its '
+        'docstring and re-exports, and move the body into modules named for what they do']
+
+
 def test_every_package_has_its_place_in_the_layers():
     packages = {package_of(m) for m in _modules()}
     assert packages == set(LAYERS), 'add new packages to LAYERS (and docs/design.md)'
@@ -287,17 +340,27 @@ SYNTHETIC = {
 }
 
 
+#: The layers the synthetic tree is checked against (fixed, whatever LAYERS becomes).
+SYNTHETIC_LAYERS = {
+    'tower': set(), 'tf1_syncbn.errors': set(),
+    'tf1_syncbn._sync': {'tf1_syncbn.errors', 'tower'},
+    'tf1_syncbn._core': {'tf1_syncbn._sync', 'tf1_syncbn.errors', 'tower'},
+    'tf1_syncbn.slim': {'tf1_syncbn._core', 'tf1_syncbn.errors', 'tower'},
+    'tf1_syncbn.keras': {'tf1_syncbn._core', 'tf1_syncbn.errors', 'tower'},
+    'tf1_syncbn.audit': {'tf1_syncbn.errors', 'tower'},
+    'tf1_syncbn.distributed': {'tf1_syncbn.keras', 'tf1_syncbn.slim'},
+    'tf1_syncbn': '*',
+}
+
+
 def test_the_checkers_find_each_kind_of_violation():
-    layers = dict(LAYERS, **{'tf1_syncbn.distributed': {'tf1_syncbn.keras', 'tf1_syncbn.slim'}})
-    assert layering_violations(SYNTHETIC, layers) == [
+    assert layering_violations(SYNTHETIC, SYNTHETIC_LAYERS) == [
         'tf1_syncbn._sync.group imports tf1_syncbn._core.call: tf1_syncbn._sync may import '
-        'tf1_syncbn._compute, tf1_syncbn.backends, tf1_syncbn.errors, tf1_syncbn.kernels, '
-        'tf1_syncbn.timeouts, tower only',
+        'tf1_syncbn.errors, tower only',
         'tf1_syncbn.audit.rules imports tf1_syncbn._core.call: tf1_syncbn.audit may import '
-        'tf1_syncbn._cli, tf1_syncbn.backends, tf1_syncbn.errors, tower only',
+        'tf1_syncbn.errors, tower only',
         'tf1_syncbn.slim.layer imports tf1_syncbn.keras.layer: tf1_syncbn.slim may import '
-        'tf1_syncbn._core, tf1_syncbn.backends, tf1_syncbn.errors, tf1_syncbn.timeouts, '
-        'tower only',
+        'tf1_syncbn._core, tf1_syncbn.errors, tower only',
         'tower.context imports tf1_syncbn.errors: tower may import nothing of ours']
     assert private_violations(SYNTHETIC) == [
         'tf1_syncbn.distributed.peers imports tf1_syncbn.keras.layer._keras_bn: a private '
@@ -318,10 +381,183 @@ def test_the_checkers_find_each_kind_of_violation():
 
 def test_the_checkers_pass_a_tree_that_keeps_the_rules():
     tree = {'tower': '', 'tower.context': 'import tower.graph_state\n', 'tower.graph_state': '',
-            'tf1_syncbn._core': '', 'tf1_syncbn.slim': '',
-            'tf1_syncbn._core.call': 'from tower.graph_state import get_graph_state\n',
-            'tf1_syncbn.slim.layer': ('from tf1_syncbn._core.call import batch_norm\n'
+            'tf1_syncbn._core': '', 'tf1_syncbn.slim': '', 'tf1_syncbn._frontend': '',
+            'tf1_syncbn._core.call': 'from tower.graph_state import root_graph\n',
+            'tf1_syncbn._frontend.building': 'from tf1_syncbn._core.call import batch_norm\n',
+            'tf1_syncbn.slim.layer': ('from tf1_syncbn._frontend.building import batch_norm\n'
                                       'from tf1_syncbn.slim import _helper\n'),
             'tf1_syncbn.slim._helper': ''}
     assert layering_violations(tree) == [] and private_violations(tree) == []
     assert _cycles(_module_graph(tree)) == [] and _cycles(_package_graph(tree)) == []
+
+
+# -- The front-ends' seam (issue 44) ---------------------------------------------------------
+
+#: The front-ends: each translates one library's batch norm into calls of the core.
+FRONT_ENDS = ('tf1_syncbn.slim', 'tf1_syncbn.tensorpack', 'tf1_syncbn.layers', 'tf1_syncbn.keras',
+              'tf1_syncbn.nn')
+#: The most private modules a front-end (or the runner) imports: one door for building a call
+#: (tf1_syncbn._frontend.building), one for patching (tf1_syncbn._frontend.patching).
+MAX_PRIVATE_MODULES = 2
+#: What every front-end folder holds (tf1_syncbn.nn, a front-end without a patch, is one file).
+FRONT_END_FILES = ('layer.py', 'rules.py', 'patch.py')
+
+
+def _is_private(module):
+    """Whether a dotted module path goes through a private package or module."""
+    return any(part.startswith('_') and not part.startswith('__') for part in module.split('.'))
+
+
+def seam_violations(sources, packages=FRONT_ENDS + ('tf1_syncbn.run',),
+                    most=MAX_PRIVATE_MODULES):
+    """``['package imports N private modules (at most M): ...']`` for each wide seam."""
+    found = []
+    for package in packages:
+        private = set()
+        for name, source in sources.items():
+            if package_of(name) == package:
+                private.update(target for target, _ in _imports(source, sources)
+                               if package_of(target) != package and _is_private(target))
+        if len(private) > most:
+            found.append('%s imports %d private modules (at most %d): %s' % (
+                package, len(private), most, ', '.join(sorted(private))))
+    return found
+
+
+def front_end_shape_problems(files):
+    """What is missing from the front-end folders.
+
+    Args:
+      files: ``{front-end package: the names of the files in its folder}``, or
+        None for a front-end that is one module.
+    """
+    problems = []
+    for package, names in sorted(files.items()):
+        missing = [f for f in FRONT_END_FILES if names is not None and f not in names]
+        if missing:
+            problems.append('%s/ has no %s: every front-end folder holds %s' % (
+                package.replace('.', '/'), ', '.join(missing), ', '.join(FRONT_END_FILES)))
+    return problems
+
+
+def _front_end_files():
+    found = {}
+    for package in FRONT_ENDS:
+        folder = os.path.join(ROOT, *package.split('.'))
+        found[package] = sorted(os.listdir(folder)) if os.path.isdir(folder) else None
+    return found
+
+
+def _public_all(tree):
+    """The names a module's ``ast`` lists in ``__all__`` (literals, also added with ``+=``)."""
+    names = set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, ast.AugAssign) else []
+        if any(isinstance(t, ast.Name) and t.id == '__all__' for t in targets):
+            try:
+                names.update(ast.literal_eval(node.value))
+            except ValueError:
+                pass
+    return names
+
+
+def private_homes(sources):
+    """``['module.name: ...']`` for each public name that a public module takes from a private one.
+
+    A name in a public module's ``__all__`` imported from a module of a
+    private package (``tf1_syncbn._core.moments``) lives where users cannot
+    reach it by its module path: it needs a public module of its own.
+    """
+    found = []
+    for name, source in sorted(sources.items()):
+        if _is_private(name):
+            continue
+        tree = ast.parse(source)
+        public = _public_all(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
+                    node.module in sources and _is_private(node.module):
+                found.extend('%s.%s is defined in the private %s: give it a public module' % (
+                    name, alias.asname or alias.name, node.module)
+                    for alias in node.names if (alias.asname or alias.name) in public)
+    return found
+
+
+def test_each_front_end_imports_two_private_modules_at_most():
+    assert seam_violations(_sources()) == []
+
+
+def test_every_front_end_folder_holds_layer_rules_and_patch():
+    assert front_end_shape_problems(_front_end_files()) == []
+
+
+def test_every_public_name_lives_in_a_public_module():
+    assert private_homes(_sources()) == []
+
+
+def test_the_seam_checkers_find_each_kind_of_violation():
+    tree = {
+        'tf1_syncbn._core': '', 'tf1_syncbn._core.call': '', 'tf1_syncbn._core.moments': '',
+        'tf1_syncbn._core.options': '', 'tf1_syncbn._frontend': '',
+        'tf1_syncbn._frontend.building': '', 'tf1_syncbn._frontend.patching': '',
+        # Three private modules: the core's, besides the two doors.
+        'tf1_syncbn.slim.layer': ('from tf1_syncbn._frontend.building import batch_norm\n'
+                                  'from tf1_syncbn._core.options import check_options\n'),
+        'tf1_syncbn.slim.patch': 'from tf1_syncbn._frontend import patching\n',
+        # Two doors, and its own private module (not counted).
+        'tf1_syncbn.keras.layer': ('from tf1_syncbn._frontend.building import batch_norm\n'
+                                   'from tf1_syncbn.keras import _helpers\n'),
+        'tf1_syncbn.keras.patch': 'import tf1_syncbn._frontend.patching\n',
+        'tf1_syncbn.keras._helpers': '',
+        # A public name defined in a private module, and one re-exported from a public one.
+        'tf1_syncbn': ('from tf1_syncbn._core.moments import moments as moments\n'
+                       'from tf1_syncbn._core.call import _private\n'
+                       'from tf1_syncbn.slim.layer import sync_batch_norm\n'
+                       "__all__ = ['sync_batch_norm']\n__all__ += ['moments']\n"),
+    }
+    assert seam_violations(tree, ('tf1_syncbn.slim', 'tf1_syncbn.keras')) == [
+        'tf1_syncbn.slim imports 3 private modules (at most 2): tf1_syncbn._core.options, '
+        'tf1_syncbn._frontend.building, tf1_syncbn._frontend.patching']
+    assert seam_violations(tree, ('tf1_syncbn.slim',), most=3) == []
+    assert private_homes(tree) == [
+        'tf1_syncbn.moments is defined in the private tf1_syncbn._core.moments: give it a '
+        'public module']
+    assert front_end_shape_problems({
+        'tf1_syncbn.slim': ['__init__.py', 'layer.py', 'patch.py'],
+        'tf1_syncbn.tensorpack': ['__init__.py', 'api.py', 'layer.py', 'patch.py'],
+        'tf1_syncbn.layers': ['__init__.py', 'layer.py', 'patch.py', 'rules.py'],
+        'tf1_syncbn.nn': None}) == [
+        'tf1_syncbn/slim/ has no rules.py: every front-end folder holds layer.py, rules.py, '
+        'patch.py',
+        'tf1_syncbn/tensorpack/ has no rules.py: every front-end folder holds layer.py, '
+        'rules.py, patch.py']
+
+
+#: What runs before TensorFlow is imported, where the package cannot be imported: the
+#: ``.pth`` hook's module and the runner's start (loaded by path). The standard library only.
+BEFORE_TENSORFLOW = ('_tf1_syncbn_run.py', os.path.join('tf1_syncbn', 'run', 'startup.py'))
+
+
+def non_standard_imports(source):
+    """The top-level names of the modules ``source`` imports that are not the standard library."""
+    import sys  # noqa: PLC0415
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split('.')[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            found.add('.' if node.level else node.module.split('.')[0])
+    return sorted(found - set(sys.stdlib_module_names))
+
+
+@pytest.mark.parametrize('path', BEFORE_TENSORFLOW)
+def test_what_runs_before_tensorflow_imports_only_the_standard_library(path):
+    with open(os.path.join(ROOT, path)) as f:
+        assert non_standard_imports(f.read()) == []
+
+
+def test_the_standard_library_checker_finds_other_imports():
+    assert non_standard_imports('import os, numpy\nfrom tf1_syncbn import x\n'
+                                'from . import y\nfrom json import dumps\n') == [
+        '.', 'numpy', 'tf1_syncbn']

@@ -1,5 +1,8 @@
 """Every command's ``--help`` answers at once, before TensorFlow is imported.
 
+``python -m tf1_syncbn.run`` also starts its script before the package imports TensorFlow
+(test_only_the_runner_is_started_early; the script itself: tests/run/test_run_startup.py).
+
 ``python -m tf1_syncbn.<command>`` imports the package, which imports
 TensorFlow (20 to 30 s on a small machine): before, each ``--help`` (the
 demo's too) took that long. Each runs with ``-X importtime``, whose report
@@ -19,6 +22,7 @@ COMMANDS = [
     ['-m', 'tf1_syncbn.selftest'],
     ['-m', 'tf1_syncbn.kernels'],
     ['-m', 'tf1_syncbn.launch'],
+    ['-m', 'tf1_syncbn.run'],
     [os.path.join(ROOT, 'examples', 'train_multitower.py')],
     [os.path.join(ROOT, 'examples', 'multi_worker.py')],
 ]
@@ -55,3 +59,22 @@ def test_only_the_package_commands_own_help_is_answered_early(capsys):
         answer_help_early([python, '-X', 'importtime', '-m', 'tf1_syncbn.launch', '-h'])
     assert info.value.code == 0
     assert capsys.readouterr().out.startswith('usage: python -m tf1_syncbn.launch')
+
+
+@pytest.mark.once
+def test_only_the_runner_is_started_early(monkeypatch):
+    """``start_early`` replaces the process for ``-m tf1_syncbn.run`` only (never for a script)."""
+    from tf1_syncbn import _cli  # noqa: PLC0415
+    from tf1_syncbn._cli import early  # noqa: PLC0415
+    started = []
+    monkeypatch.setattr(early.importlib, 'import_module', lambda name: type(
+        'Runner', (), {'exec_runner': staticmethod(started.append)}))
+    python = sys.executable
+    for argv in ([python, '-m', 'tf1_syncbn.launch', '--workers', '1', '--', python, '-m',
+                  'tf1_syncbn.run', 'w.py'],
+                 [python, 'train.py', '-m', 'tf1_syncbn.run'],
+                 [python, '/site/tf1_syncbn/run/startup.py', 'train.py']):
+        assert _cli.start_early(argv) is None
+    assert started == []
+    _cli.start_early([python, '-u', '-m', 'tf1_syncbn.run', '--strict', 'train.py', '-x'])
+    assert started == [['--strict', 'train.py', '-x']]

@@ -31,8 +31,13 @@ PUBLIC = {
         'all_reduce_gradients', 'average_across_workers', 'broadcast_variables', 'WorkerSession',
         'ClusterError', 'PeerMissingError', 'WorkerLostError', 'audit_graph', 'export',
         'keras', 'patch_keras', 'audit', 'distributed', 'backends', 'timeouts', 'kernel_sets',
-        'kernels', 'moments', 'weighted_moments', '__version__'],
+        'kernels', 'moments', 'weighted_moments', '__version__', 'patch_slim'],
+    'tf1_syncbn.slim': ['sync_batch_norm', 'sync_arg_scope', 'convert_arg_scope',
+                        'patch_slim_batch_norm', 'is_slim_batch_norm', 'patch_slim'],
+    'tf1_syncbn.run': ['ENVIRONMENT_VARIABLE', 'STRICT_EXIT_STATUS', 'BACKENDS', 'build_parser'],
     'tf1_syncbn.layers': ['BatchNormalization', 'batch_normalization', 'patch_tf_layers'],
+    # Hand-written batch norm's front-end (issue 44: was the private tf1_syncbn._core.moments).
+    'tf1_syncbn.nn': ['moments', 'weighted_moments'],
     'tf1_syncbn.keras': ['BatchNormalization', 'BatchNormalizationV1', 'patch_keras',
                          'KERAS_PACKAGE', 'KERAS_BATCH_NORMALIZATION',
                          'KERAS_BATCH_NORMALIZATION_V1'],
@@ -45,10 +50,15 @@ PUBLIC = {
         'PeerMissingError', 'WorkerLostError', 'hard_exit', 'DEFAULT_BUCKET_BYTES',
         'DEFAULT_STARTUP_TIMEOUT', 'DEFAULT_RESTORE_TIMEOUT', 'EXIT_STARTUP_HANG',
         'COMMUNICATION_HINTS'],
+    # The path before issue 44's launch package: an alias of the moved module.
     'tf1_syncbn.restarts': [
         'RestartLoop', 'Restart', 'restart_env', 'restart_count', 'start_line',
         'parse_start_line', 'exit_status', 'describe_exit', 'RESTART_COUNT_ENV',
         'MAX_RESTARTS_ENV'],
+    'tf1_syncbn.launch.restarts': [
+        'RestartLoop', 'Restart', 'restart_env', 'restart_count', 'start_line',
+        'parse_start_line', 'exit_status', 'describe_exit', 'RESTART_COUNT_ENV',
+        'MAX_RESTARTS_ENV', 'WorkerExit'],
     # The path docs/api/tf1_syncbn.md named before the layout: an alias of the moved module.
     'tf1_syncbn.audit_report': ['AuditReport', 'LayerAudit'],
     'tf1_syncbn.backends': ['SyncBackend', 'SyncKey', 'CollectiveBackend', 'NcclBackend',
@@ -69,12 +79,13 @@ PUBLIC = {
               'tower_index_from_name', 'call_for_each_tower', 'average_gradients',
               'virtual_cpu_config', 'register_tower_pattern', 'unregister_tower_pattern',
               'tower_patterns', 'graph_state', 'harness', 'context', 'training'],
-    'tower.graph_state': ['GraphState', 'get_graph_state', 'root_graph', 'full_name_scope'],
+    'tower.graph_state': ['GraphState', 'get_graph_state', 'root_graph', 'full_name_scope',
+                          'root_graph_attribute'],
 }
 
 #: ``python -m <module> --help`` for each command of the docs.
 COMMANDS = ['tf1_syncbn.audit', 'tf1_syncbn.selftest', 'tf1_syncbn.kernels',
-            'tf1_syncbn.launch']
+            'tf1_syncbn.launch', 'tf1_syncbn.run']
 
 
 @pytest.mark.parametrize('module', sorted(PUBLIC))
@@ -86,10 +97,14 @@ def test_every_public_name_resolves(module):
         assert hasattr(imported, name), '%s.__all__ names %r, which it lacks' % (module, name)
 
 
-def test_the_old_path_is_the_moved_module():
+def test_the_old_paths_are_the_moved_modules():
     import tf1_syncbn.audit.report
     import tf1_syncbn.audit_report
+    import tf1_syncbn.launch.restarts
+    import tf1_syncbn.restarts
+    from tf1_syncbn import restarts
     assert tf1_syncbn.audit_report is tf1_syncbn.audit.report
+    assert tf1_syncbn.restarts is restarts is tf1_syncbn.launch.restarts
 
 
 def test_the_lazy_keras_names_are_the_keras_package():
@@ -163,11 +178,18 @@ def test_every_command_answers_help():
     # One interpreter for the four (one TensorFlow import, not four).
     modules = subprocess.Popen([sys.executable, '-c', HELP] + COMMANDS, cwd=ROOT, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    # launch.py also runs as a plain script, without the package (its docstring says so).
-    script = subprocess.run([sys.executable, os.path.join(ROOT, 'tf1_syncbn', 'launch.py'),
-                             '--help'], cwd='/', env=dict(env, PYTHONPATH=''),
-                            capture_output=True, text=True, timeout=60)
-    assert script.returncode == 0 and 'usage: ' in script.stdout, script.stderr[-2000:]
+    # The launcher also runs by its path, without the package (its docstring says so): its
+    # folder, whose __main__.py python runs, or that file.
+    for path in ('launch', os.path.join('launch', '__main__.py')):
+        script = subprocess.run([sys.executable, '-X', 'importtime',
+                                 os.path.join(ROOT, 'tf1_syncbn', path), '--help'], cwd='/',
+                                env=dict(env, PYTHONPATH=''), capture_output=True, text=True,
+                                timeout=60)
+        assert script.returncode == 0 and 'usage: ' in script.stdout, script.stderr[-2000:]
+        imported = [line.rsplit('|', 1)[-1].strip() for line in script.stderr.splitlines()
+                    if line.startswith('import time:')]
+        assert 'restarts' in imported and not [m for m in imported if m.startswith(
+            ('tf1_syncbn', 'tensorflow'))], imported
     out, err = modules.communicate(timeout=180)
     assert modules.returncode == 0, err[-3000:]
     for module in COMMANDS:

@@ -157,6 +157,10 @@ class Zygote:
     """
 
     def __init__(self, env, python=sys.executable):
+        # Without the runner's switch: where the package is installed, its start-up hook
+        # (tf1_syncbn_run.pth) would install the runner in the zygote itself, which must
+        # import TensorFlow alone. A script that runs under the runner starts it (startup.py).
+        env = {k: v for k, v in env.items() if k != 'TF1_SYNCBN_RUN'}
         self._proc = subprocess.Popen(
             [python, os.path.abspath(__file__), '--serve'], env=env, text=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=os.path.dirname(__file__))

@@ -121,7 +121,7 @@ PARITY_CASES = [
     # several axes, which tf.layers always normalizes without its fused
     # kernel (biased variance), with variables of shape [C] for one axis and
     # the input's shape with 1 elsewhere for several. Here the core
-    # normalizes a view (tf1_syncbn._core.axes): a middle axis folded into a free
+    # normalizes a view (tf1_syncbn._frontend.axes): a middle axis folded into a free
     # reshape [N*P, C, Q, 1]; contiguous axes at the start [N, C, S, 1] or
     # end [N, S, 1, C]; axes apart transposed to [N, ..., axes].
     _case('rank4-axis2-middle', axis=2, shape=[8, 2, 3, 2]),
@@ -151,7 +151,7 @@ ALL_PARITY_CASES = PARITY_CASES
 # test-full all 42, in both behaviours). This library's `fused` only chooses
 # which variance the moving variance tracks (tf1_syncbn._core.options): every
 # rank and axis form reaches the core's kernels as a 4-D view, NHWC or NCHW
-# (tf1_syncbn._core.axes). The cases left out each repeat, on a rank or view
+# (tf1_syncbn._frontend.axes). The cases left out each repeat, on a rank or view
 # another case already brings to the same layout, convention and kernel, an
 # option that another kept case carries:
 #   rank3-axis-last-scale=False: rank 3 channels last, biased: bfloat16-rank3;

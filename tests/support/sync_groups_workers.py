@@ -1,14 +1,14 @@
 """One worker of tests/distributed/test_sync_groups_workers.py: 2 workers x 2 towers in groups.
 
 Started by :class:`tf1_syncbn.launch.Launcher` (``TF_CONFIG`` set). One graph,
-three synchronized layers on the same inputs, each with its own groups
-(:data:`GROUPS`): per-worker groups, groups across the workers, and each
-tower alone. The data is a function of the seed, the same in every process:
-global tower ``g`` (worker ``w``'s tower ``t``, ``g = w * 2 + t``) takes
-``SIZES[g]`` rows from ``START[g]``. One training step (with the moving-
-average updates), then the moving statistics in a run of their own. Prints
-``RESULT <json>``: per layer the towers' outputs and input gradients and the
-moving mean and variance.
+five synchronized layers on the same inputs, each with its own groups
+(:data:`GROUPS`): per-worker groups, groups across the workers, each tower
+alone, and one tower alone next to a group of three (first, last). The data
+is a function of the seed, the same in every process: global tower ``g``
+(worker ``w``'s tower ``t``, ``g = w * 2 + t``) takes ``SIZES[g]`` rows from
+``START[g]``. One training step (with the moving-average updates), then the
+moving statistics in a run of their own. Prints ``RESULT <json>``: per layer
+the towers' outputs and input gradients and the moving mean and variance.
 
 For debugging: ``$SYNC_GROUPS_LAYERS`` (names of :data:`GROUPS`, comma-separated)
 builds only those layers; ``$SYNC_GROUPS_TIMEOUT`` sets the collective timeout.
@@ -28,7 +28,8 @@ SIZES = [2, 3, 1, 2]           # rows of global towers 0..3
 START = [sum(SIZES[:g]) for g in range(len(SIZES))]
 DECAY = 0.5
 #: layer scope -> group_size
-GROUPS = {'per_worker': 2, 'across': [[0, 2], [1, 3]], 'alone': 1}
+GROUPS = {'per_worker': 2, 'across': [[0, 2], [1, 3]], 'alone': 1,
+          'first_alone': [[0], [1, 2, 3]], 'last_alone': [[0, 1, 2], [3]]}
 
 
 def global_batch(seed=0):

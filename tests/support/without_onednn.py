@@ -28,6 +28,8 @@ import xml.etree.ElementTree as ElementTree
 
 import pytest
 
+import tf_behavior
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: Set in the child: conftest.py then checks oneDNN and the kernel set.
@@ -101,12 +103,33 @@ def count_kernel_cases(module):
         if not (everywhere or uses_kernel_impl(function) or
                 'kernel_impl' in inspect.signature(function).parameters):
             continue
+        if tf_behavior.is_v1() and any(m.name == 'once' for m in marks(function)):
+            continue        # the TF2-behaviour pass's only (conftest.py)
         count = 1
         for mark in marks(function):
             if mark.name == 'parametrize' and mark.args[0] != 'kernel_impl':
-                count *= len(mark.args[1])
+                count *= len(_stock_values(mark))
         total += count
     return total
+
+
+def _stock_values(mark):
+    """A ``parametrize`` mark's parameter sets that the stock child runs.
+
+    All of them, unless ``kernel_impl`` is one of the mark's names (a covering
+    set of kernel set x case, ``suite_scope.covering``): then the sets whose
+    ``kernel_impl`` is ``'stock'``, or, where this process leaves the stock
+    set to the child (``kernel_sets``: oneDNN on), every set, which the
+    module's covering set mirrors case for case on the stock set.
+    """
+    names = mark.args[0]
+    names = [n.strip() for n in names.split(',')] if isinstance(names, str) else list(names)
+    values = list(mark.args[1])
+    if 'kernel_impl' not in names:
+        return values
+    where = names.index('kernel_impl')
+    stock = [v for v in values if (v.values if hasattr(v, 'values') else v)[where] == 'stock']
+    return stock or values
 
 
 class ChildRun(object):

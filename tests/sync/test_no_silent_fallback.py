@@ -1,7 +1,8 @@
 """A synchronized layer never falls back to per-tower statistics silently.
 
-Each case where the layer cannot synchronize as asked either raises (at graph
-build, or at the latest at the first run) or warns, naming the layer and the fix.
+Each case where the layer cannot synchronize as asked raises (at graph build,
+or at the latest at the first run), naming the layer and the fix. A warning
+followed by per-tower statistics would be a silent fallback: nothing warns.
 """
 
 import contextlib
@@ -53,12 +54,27 @@ def test_auto_outside_any_tower_is_a_single_tower_silently(graph):
         sync_batch_norm(ph())
 
 
-@pytest.mark.parametrize('scope', ['tower_1', 'clone_1', 'tower1', 'outer/tower_2'])
-def test_auto_in_a_tower_name_scope_of_unknown_size_warns(graph, scope):
-    with tf.name_scope(scope), pytest.warns(SyncBNWarning,
-                                            match=r'sync_batch_norm\(BatchNorm\).*looks like '
-                                                  r'tower.*num_dev'):
-        sync_batch_norm(ph())
+@pytest.mark.parametrize('front_end,scope', tf_behavior.pick(
+    [('slim', s) for s in ('tower_1', 'clone_1', 'tower1', 'outer/tower_2')] +
+    [(f, 'tower_1') for f in ('tensorpack', 'layers', 'keras')],
+    [('slim', 'tower_1'), ('tensorpack', 'tower_1')]))
+def test_auto_in_a_tower_name_scope_of_unknown_size_refuses(graph, front_end, scope):
+    """Before, 'auto' warned and normalized each tower alone; tensorpack's layer, told to
+    pass num_dev, took none (a TypeError). Now every front-end refuses, naming num_dev."""
+    build = _front_end(front_end)
+    reuse = tf1.variable_scope(tf1.get_variable_scope(), reuse=tf1.AUTO_REUSE)
+    with warnings.catch_warnings(), reuse:
+        warnings.simplefilter('error', SyncBNWarning)
+        with tf.name_scope(scope.replace('1', '0').replace('2', '0')):
+            build(ph(), True)              # tower 0 alone is one tower: quiet
+        with tf.name_scope(scope), pytest.raises(
+                ValueError, match=r"bn\): sync_statistics='auto' cannot tell the layer's group: "
+                                  r"its name scope '%s/.*' looks like tower [12] .*Pass "
+                                  r'num_dev=<number of towers in this graph>.*'
+                                  r'tower\.TowerContext.*sync_statistics=None to keep per-tower '
+                                  r'statistics' % scope):
+            build(ph(), True)
+    assert not [op for op in graph.get_operations() if 'Collective' in op.type]
 
 
 @pytest.mark.parametrize('scope', ['tower_1', 'clone_0'])
@@ -175,19 +191,23 @@ UNTOWERED = (r'bn\): its variables \((gpu_0/)?bn/(moving_mean|mean/EMA), \.\.\.\
              r'num_dev=<number of towers>.*tower\.register_tower_pattern.*tower\.TowerContext')
 
 
-def _front_end(name):
-    """``build(x, training)``: the layer ``bn`` of a front-end, ``sync_statistics='auto'``."""
+def _front_end(name, **kwargs):
+    """``build(x, training)``: the layer ``bn`` of a front-end, ``sync_statistics='auto'``.
+
+    ``kwargs``: more arguments of the layer (``num_dev``, ``sync_statistics``).
+    """
     if name == 'keras':
         from tf1_syncbn import keras as sync_keras  # noqa: PLC0415 - needs tf-keras
-        layer = sync_keras.BatchNormalization(name='bn')
+        layer = sync_keras.BatchNormalization(name='bn', **kwargs)
         return lambda x, training: layer(x, training=training)
     if name == 'layers':
         return lambda x, training: tf1_syncbn.layers.batch_normalization(
-            x, training=training, name='bn')
+            x, training=training, name='bn', **kwargs)
     if name == 'tensorpack':
         # (tensorpack's BatchNorm keeps tensorpack's default: sync_statistics=None.)
-        return lambda x, training: BatchNorm('bn', x, training=training, sync_statistics='auto')
-    return lambda x, training: sync_batch_norm(x, is_training=training, scope='bn')
+        kwargs.setdefault('sync_statistics', 'auto')
+        return lambda x, training: BatchNorm('bn', x, training=training, **kwargs)
+    return lambda x, training: sync_batch_norm(x, is_training=training, scope='bn', **kwargs)
 
 
 def _device_loop(build, devices, training=True, scope=None):
@@ -213,21 +233,23 @@ def _device_loop(build, devices, training=True, scope=None):
 @pytest.mark.parametrize('front_end,scope', tf_behavior.pick(
     [(f, s) for f in ('slim', 'tensorpack', 'layers', 'keras') for s in (None, 'gpu_%d')],
     [('slim', None), ('keras', 'gpu_%d')]))
-def test_an_unnamed_tower_loop_warns_and_single_device_reuse_does_not(graph, front_end,
-                                                                      scope):
-    """Copies of one layer trained on 2 devices outside any tower it can name: a warning.
+def test_an_unnamed_tower_loop_refuses_and_single_device_reuse_does_not(graph, front_end,
+                                                                        scope):
+    """Copies of one layer trained on 2 devices outside any tower it can name: refused.
 
-    Before, each copy normalized alone, silently. One layer applied to two
-    inputs on one device, and inference copies on two devices, stay quiet.
+    Before, each copy normalized alone, silently, then after a warning. One
+    layer applied to two inputs on one device, and inference copies on two
+    devices, stay quiet.
     """
     build = _front_end(front_end)
     with warnings.catch_warnings():
         warnings.simplefilter('error', SyncBNWarning)
         _device_loop(build, ['/cpu:0', '/cpu:0'], scope=scope)             # one device
         _device_loop(build, ['/cpu:0', '/cpu:1'], training=False, scope=scope)
-    with pytest.warns(SyncBNWarning, match=UNTOWERED) as caught:
-        _device_loop(build, ['/cpu:0', '/cpu:1', '/cpu:1'], scope=scope)
-    assert len(caught) == 1            # once per graph and layer
+        with pytest.raises(ValueError, match=UNTOWERED + r'.*pass num_dev=1; to keep '
+                                                         r'per-device statistics on purpose, '
+                                                         r'sync_statistics=None\.$'):
+            _device_loop(build, ['/cpu:0', '/cpu:1'], scope=scope)
 
 
 class _ProcessPerDevice(CollectiveBackend):
@@ -237,7 +259,7 @@ class _ProcessPerDevice(CollectiveBackend):
 
 
 def test_an_unnamed_tower_loop_with_an_explicit_backend_raises_and_num_dev_1_is_quiet(graph):
-    """An explicit backend raises where 'auto' warns; ``num_dev=1`` (one tower split across
+    """An explicit backend raises as 'auto' does; ``num_dev=1`` (one tower split across
     devices on purpose) and ``sync_statistics=None`` say nothing."""
     with warnings.catch_warnings():
         warnings.simplefilter('error', SyncBNWarning)
@@ -248,15 +270,16 @@ def test_an_unnamed_tower_loop_with_an_explicit_backend_raises_and_num_dev_1_is_
         def build(x, training):
             return sync_batch_norm(x, scope='bn', sync_statistics=_ProcessPerDevice())
 
-        with pytest.raises(ValueError, match=UNTOWERED + r'.*pass num_dev=1\.$'):
+        with pytest.raises(ValueError, match=UNTOWERED + r'.*pass num_dev=1; .*'
+                                                         r'sync_statistics=None\.$'):
             _device_loop(build, ['/cpu:0', '/cpu:1'])
         # The copy that raised left no trace: on the first device, the layer builds.
         _device_loop(build, ['/cpu:0'])
 
 
 def test_the_audit_flags_an_unnamed_tower_loop_with_the_same_advice(graph):
-    with pytest.warns(SyncBNWarning):
-        ys = _device_loop(_front_end('slim'), ['/cpu:0', '/cpu:1'], scope='gpu_%d')
+    ys = _device_loop(_front_end('slim', sync_statistics=None), ['/cpu:0', '/cpu:1'],
+                      scope='gpu_%d')
     loss = tf.add_n([tf.reduce_sum(y * y) for y in ys])
     with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
         train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)

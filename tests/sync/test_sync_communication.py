@@ -243,25 +243,85 @@ def test_horovod_stall_shutdown_is_read_as_horovod_reads_it(environ, seconds):
     assert backends.stall_shutdown_seconds(environ) == seconds
 
 
+def _doubled_statistics(graph, rng, backend):
+    """One step of sync_batch_norm on one tower whose ``backend`` pretends a second, identical one.
+
+    Returns:
+      ``(output, moving variance, the reference's)``: the output and the
+      moving variance that tracks the Bessel-corrected variance of the global
+      batch: with two members ``2 n`` examples, which sets it apart from one
+      tower's (numpy float64, the data concatenated twice).
+    """
+    x = tf1.placeholder(tf.float32, [None, 3])
+    y = sync_batch_norm(x, epsilon=EPS, decay=0.5, num_dev=1, sync_statistics=backend,
+                        updates_collections=None)
+    data = rng.randn(5, 3).astype(np.float32)
+    ref = bn_forward(np.concatenate([data, data]), 1, 0, EPS)
+    with make_session(graph, 1) as sess:
+        sess.run(tf1.global_variables_initializer())
+        out = sess.run(y, {x: data})
+        moving = sess.run(var('BatchNorm/moving_variance'))      # in a run of its own
+    return out, ref['y'][:5], moving, 0.5 + 0.5 * ref['var_unbiased']
+
+
 def test_custom_backend_object(graph, rng):
     class Doubling(SyncBackend):
         """Pretends two identical members, as a user backend could."""
         name = 'doubling'
 
-        def group_size(self, towers):
+        def num_members(self, towers):
             return 2 * towers
 
         def all_reduce(self, tensor, key, direction):
-            return tensor * 2
+            return tensor * key.num_members
 
-    x = tf1.placeholder(tf.float32, [None, 3])
-    y = sync_batch_norm(x, epsilon=EPS, num_dev=1, sync_statistics=Doubling())
-    data = rng.randn(5, 3).astype(np.float32)
-    with make_session(graph, 1) as sess:
-        sess.run(tf1.global_variables_initializer())
-        np.testing.assert_allclose(sess.run(y, {x: data}),
-                                   bn_forward(np.concatenate([data, data]), 1, 0,
-                                              EPS)['y'][:5], atol=2e-5)
+    out, ref, moving, ref_moving = _doubled_statistics(graph, rng, Doubling())
+    np.testing.assert_allclose(out, ref, atol=2e-5)
+    np.testing.assert_allclose(moving, ref_moving, rtol=1e-5)
+
+
+def test_a_custom_backend_written_for_the_old_interface_still_works(graph, rng):
+    """group_size(towers), key.group_size, group_size_attributes: deprecated, not broken."""
+    with pytest.warns(DeprecationWarning, match=r'OldDoubling.group_size\(towers\)'):
+        class OldDoubling(SyncBackend):
+            """A backend written before num_members, with the member count's old names."""
+            name = 'old-doubling'
+            group_size_attributes = {}
+
+            def group_size(self, towers):
+                return 2 * towers
+
+            def all_reduce(self, tensor, key, direction):
+                return tensor * key.group_size
+
+    backend = OldDoubling()
+    assert backend.num_members(3) == 6 and backend.num_members_attributes == {}
+    with pytest.warns(DeprecationWarning, match=r'SyncKey.group_size'):
+        out, ref, moving, ref_moving = _doubled_statistics(graph, rng, backend)
+    np.testing.assert_allclose(out, ref, atol=2e-5)
+    np.testing.assert_allclose(moving, ref_moving, rtol=1e-5)
+
+
+def test_the_member_count_keeps_its_old_names_with_a_warning():
+    with pytest.warns(DeprecationWarning, match=r'CollectiveBackend.group_size\(towers\)'):
+        assert CollectiveBackend(num_workers=3).group_size(2) == 6
+    with pytest.warns(DeprecationWarning, match='group_size_attributes'):
+        assert NcclBackend().group_size_attributes == {'NcclAllReduce': 'num_devices'}
+    # An old override of a library backend reaches its parent's count through the old name.
+    with pytest.warns(DeprecationWarning):
+        class Tripled(CollectiveBackend):
+            def group_size(self, towers):
+                return 3 * super().group_size(towers)
+    with pytest.warns(DeprecationWarning):
+        assert Tripled(num_workers=2).num_members(2) == 12
+    key = backends.SyncKey('bn:0', 'tower_0/bn', 4, '/device:CPU:0')
+    with pytest.warns(DeprecationWarning, match=r'SyncKey\(group_size=...\)'):
+        assert backends.SyncKey(name='bn:0', layer='tower_0/bn', group_size=4,
+                                device='/device:CPU:0') == key
+    with pytest.warns(DeprecationWarning, match=r'SyncKey._replace\(group_size=...\)'):
+        assert key._replace(group_size=2).num_members == 2
+    with pytest.warns(DeprecationWarning, match=r'SyncKey.group_size'):
+        assert key.group_size == key.num_members == 4
 
 
 def test_backend_reprs_and_validation():
@@ -271,7 +331,7 @@ def test_backend_reprs_and_validation():
                 dict(num_workers=0)):
         with pytest.raises(ValueError):
             CollectiveBackend(**bad)
-    assert CollectiveBackend(num_workers=3).group_size(2) == 6
+    assert CollectiveBackend(num_workers=3).num_members(2) == 6
 
 
 @pytest.mark.parametrize('backend', ['nccl', 'collective', 'auto'])

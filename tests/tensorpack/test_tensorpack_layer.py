@@ -97,6 +97,62 @@ def test_ranks_and_formats_synced(graph, rng, example_shape, data_format, axis):
                                rtol=1e-4, atol=1e-4)
 
 
+def _tower_loop(build, towers=2, channels=3):
+    """A plain ``tower_%d`` loop (no tower context): ``tf.device``, name scope, reused variables."""
+    xs, ys = [], []
+    for i in range(towers):
+        with tf.device('/cpu:%d' % i), tf.name_scope('tower_%d' % i), \
+                tf1.variable_scope(tf1.get_variable_scope(), reuse=i > 0):
+            xs.append(tf1.placeholder(tf.float32, [None, channels]))
+            ys.append(build(xs[-1]))
+    return xs, ys
+
+
+def _patched(**defaults):
+    """Existing tensorpack code's ``BatchNorm('bn', x)`` under ``patch_tensorpack(**defaults)``."""
+    import tensorpack
+
+    from tf1_syncbn import patch_tensorpack
+
+    def build(x):
+        with patch_tensorpack(**defaults):
+            return tensorpack.models.BatchNorm('bn', x)
+    return build
+
+
+@pytest.mark.parametrize('how', ['BatchNorm', 'patch_tensorpack'])
+def test_a_plain_tower_loop_synchronizes_with_num_dev(graph, rng, how):
+    """Before, the layer took no num_dev (a TypeError), and without it normalized each tower
+    alone after a warning that told it to pass num_dev. Now: num_dev synchronizes, as one
+    device with the concatenated batch; 'auto' without it refuses, naming num_dev."""
+    if how == 'BatchNorm':
+        build = lambda x, **kw: BatchNorm('bn', x, sync_statistics='auto', **kw)  # noqa: E731
+    else:
+        build = lambda x, **kw: _patched(sync_statistics='auto', **kw)(x)  # noqa: E731
+    with tf.Graph().as_default(), pytest.raises(
+            ValueError, match=r"BatchNorm\(bn\): sync_statistics='auto' cannot tell the layer's "
+                              r"group: its name scope 'tower_1/bn' .*Pass num_dev=<number of "
+                              r'towers in this graph>'):
+        _tower_loop(build)
+    xs, ys = _tower_loop(lambda x: build(x, num_dev=2))
+    dxs = tf.gradients(tf.add_n([tf.reduce_sum(y * y) for y in ys]), xs)
+    sizes = [3, 2]
+    x = rng.randn(sum(sizes), 3) * 2 + 1
+    feed = dict(zip(xs, split_batches(x.astype(np.float32), sizes)))
+    with make_session(graph, 2) as sess:
+        sess.run(tf1.global_variables_initializer())
+        got, got_dx = sess.run([ys, dxs], feed)      # (the updates run inside the layer)
+        moving = sess.run([var('bn/mean/EMA'), var('bn/variance/EMA')])
+    expected = bn_forward(x, np.ones(3), np.zeros(3), EPS)
+    np.testing.assert_allclose(np.concatenate(got), expected['y'], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.concatenate(got_dx),
+                               bn_backward(2 * expected['y'], x, np.ones(3), EPS)['dx'],
+                               rtol=1e-4, atol=1e-4)
+    # tensorpack's rank-2 path tracks the biased variance; momentum 0.9.
+    np.testing.assert_allclose(moving[0], 0.1 * expected['mean'], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(moving[1], 0.9 + 0.1 * expected['var'], rtol=1e-5, atol=1e-6)
+
+
 # --- modes and EMA updates ---------------------------------------------------------
 
 def test_training_follows_the_tower_context(graph, rng):

@@ -347,20 +347,13 @@ def test_explicit_backend_without_num_dev_in_clones_is_a_build_error():
         _build_clones_without_num_dev('collective')
 
 
-def test_auto_without_num_dev_in_clones_warns_once_per_graph():
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter('always')
-        graph = _build_clones_without_num_dev('auto')
-    messages = [str(w.message) for w in caught if issubclass(w.category, SyncBNWarning)]
-    # Both clones' scopes look like towers of a group of unknown size: one
-    # warning for the layer in this graph, naming it and the fix.
-    assert len(messages) == 1, messages
-    assert 'net/conv1/BatchNorm' in messages[0] and 'num_dev' in messages[0]
-    assert not [op for op in graph.get_operations() if op.type == 'CollectiveReduce']
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter('always')
+def test_auto_without_num_dev_in_clones_is_a_build_error():
+    """Before, it warned once and normalized each clone alone; now the second clone refuses."""
+    with pytest.raises(ValueError, match=r"sync_batch_norm\(net/conv1/BatchNorm\): "
+                                         r"sync_statistics='auto' cannot tell the layer's "
+                                         r"group: its name scope 'clone_1/.*' looks like tower "
+                                         r'1 .*Pass num_dev=<number of towers in this graph>'):
         _build_clones_without_num_dev('auto')
-    assert len([w for w in caught if issubclass(w.category, SyncBNWarning)]) == 1
 
 
 def test_sync_statistics_none_in_clones_is_silent():

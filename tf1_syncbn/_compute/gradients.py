@@ -9,8 +9,8 @@ hyper-parameter search or a test suite builds hundreds).
 :func:`with_gradient` does what ``tf.custom_gradient`` does in graph mode (an
 ``IdentityN`` over outputs and inputs whose gradient is the given function)
 with one gradient function registered once, which finds the call's own
-gradient function in the state of the op's graph (:mod:`tower.graph_state`). That
-state lives on the graph object, so the closures go away with their graph.
+gradient function in the cache of the op's graph (:mod:`tf1_syncbn._graph.cache`). That
+cache lives on the graph object, so the closures go away with their graph.
 """
 
 import contextlib
@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from tf1_syncbn._compute.xla import outside_xla_clusters
 from tf1_syncbn.backends import all_op_types
-from tower.graph_state import get_graph_state
+from tf1_syncbn._graph.cache import graph_cache
 
 __all__ = ['with_gradient', 'raw_collectives']
 
@@ -58,7 +58,7 @@ def raw_collectives():
 
 @tf.RegisterGradient(_GRADIENT_TYPE)
 def _gradient(op, *output_grads):
-    entry = get_graph_state(op.graph).slot(_SLOT, dict).get((op.graph, op.name))
+    entry = graph_cache(op.graph).slot(_SLOT, dict).get((op.graph, op.name))
     if entry is None:
         raise LookupError(
             'tf1_syncbn: no gradient function for %r: the layer was built in another process '
@@ -106,6 +106,6 @@ def with_gradient(outputs, inputs, grad_fn, name='with_gradient', with_inputs=Fa
     with graph.gradient_override_map({'IdentityN': _GRADIENT_TYPE}):
         identities = tf.identity_n(outputs + inputs, name=name)
     # Keyed by graph too: a tf.cond branch names its ops in a namespace of its own.
-    get_graph_state(graph).slot(_SLOT, dict)[(graph, identities[0].op.name)] = (
+    graph_cache(graph).slot(_SLOT, dict)[(graph, identities[0].op.name)] = (
         grad_fn, len(outputs), with_inputs)
     return identities[:len(outputs)]

@@ -28,7 +28,7 @@ from tf1_syncbn._compute.xla import outside_xla_clusters
 from tf1_syncbn._core import normalize as _normalize
 from tf1_syncbn._core import records as _inference_records
 from tf1_syncbn._core import updates as _updates
-from tf1_syncbn._sync.group import check_untowered_copies, find_group
+from tf1_syncbn._sync.group import check_untowered_copies, find_call_site
 from tf1_syncbn._core.options import check_batch_weights
 from tf1_syncbn._sync.plan import plan_sync
 from tf1_syncbn._core.variables import read, variable_name
@@ -82,10 +82,10 @@ def batch_norm(x, layout, options, params, batch_weights=None,
 def _batch_norm(x, layout, options, params, batch_weights, updates_collections, update_moving,
                 finetune, prediction_towers_update, trigger_after_output):
     weights = check_batch_weights(options, batch_weights, x)
-    group = find_group(options, prediction_towers_update)
+    site = find_call_site(options, prediction_towers_update)
     training = options.is_training
-    plan = plan_sync(options, group) if training is not False else None
-    do_update = update_moving and (group.main or group.replicated_updates)
+    plan = plan_sync(options, site) if training is not False else None
+    do_update = update_moving and (site.main or site.replicated_updates)
 
     finetune_step = None
     if finetune is not None and params.finetune_count is not None and training is not False:
@@ -115,9 +115,9 @@ def _batch_norm(x, layout, options, params, batch_weights, updates_collections, 
         else:
             for op in updates:
                 tf1.add_to_collections(updates_collections, op)
-    _updates.share_updates(group, updates, update_moving and training is not False,
+    _updates.share_updates(site, updates, update_moving and training is not False,
                            updates_collections, [y] if trigger_after_output else [])
-    check_untowered_copies(options, group, variable_name(params.moving_mean), y)
+    check_untowered_copies(options, site, variable_name(params.moving_mean), y)
     y.set_shape(x.shape)
     # What tf1_syncbn.export needs to replace this call by an inference op (no op built).
     _inference_records.record(x, y, layout, options, params)

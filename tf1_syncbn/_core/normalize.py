@@ -208,7 +208,7 @@ def _ghost(x, x4, fmt, layout, options, gamma, beta, plan):
       statistics are the means over the virtual batches of their means and
       (biased) variances.
     """
-    members = plan.group_size if plan is not None else 1
+    members = plan.num_members if plan is not None else 1
     vbs = options.virtual_batch_size
     name = options.arg('virtual_batch_size')
     if vbs % members:

@@ -159,8 +159,10 @@ def check_options(layer, arg_names=None, data_format='NHWC', axis=None, is_train
                   virtual_batch_size=None, virtual_batch_style='runs', group_size=None):
     """Checks the options that do not depend on the input; returns :class:`Options`.
 
-    ``group_size`` is checked for its type here; against the number of towers
-    where the group is known (:func:`tf1_syncbn._sync.group.sync_groups`).
+    ``group_size`` is checked for its type here, and refused with
+    ``sync_statistics=None`` (groups of one tower each would ignore it);
+    against the number of towers where the group is known
+    (:func:`tf1_syncbn._sync.group.sync_groups`).
 
     Raises:
       ValueError, TypeError: naming the layer and the argument as spelled.
@@ -206,8 +208,17 @@ def check_options(layer, arg_names=None, data_format='NHWC', axis=None, is_train
                 raise options.error('%s cannot be combined with %s.'
                                     % (options.arg('virtual_batch_size'), option))
     _check_sync_statistics(options, sync_statistics)
+    group_size = _check_group_size(options, group_size)
+    if group_size is not None and sync_statistics is None:
+        raise options.error(
+            '%s=%r synchronizes within groups of towers, but %s=None normalizes each tower '
+            "alone (tensorpack's default, which tf1_syncbn.BatchNorm / BatchRenorm and "
+            "patch_tensorpack keep). Pass %s='auto' (or a backend) with %s, or drop %s."
+            % (options.arg('group_size'), _spelled_groups(group_size),
+               options.arg('sync_statistics'), options.arg('sync_statistics'),
+               options.arg('group_size'), options.arg('group_size')))
     return options._replace(
-        group_size=_check_group_size(options, group_size),
+        group_size=group_size,
         momentum=_check_decay(options, 'momentum', momentum),
         renorm_momentum=_check_decay(options, 'renorm_momentum', renorm_momentum),
         renorm_clipping=renorm_clipping or {})
@@ -341,6 +352,13 @@ def _check_group_size(options, spec):
         seen.update(members)
         groups.append(tuple(sorted(int(i) for i in members)))
     return tuple(groups)
+
+
+def _spelled_groups(group_size):
+    """``group_size`` as the user wrote it: an int, or explicit groups as lists."""
+    if isinstance(group_size, int):
+        return group_size
+    return [list(members) for members in group_size]
 
 
 def _check_number(options, name, value, low, high):

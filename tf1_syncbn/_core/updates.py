@@ -24,7 +24,7 @@ import tensorflow as tf
 from tf1_syncbn._compute import math as _math
 from tf1_syncbn._sync.control_flow import enclosing_while_loop
 from tf1_syncbn._core.variables import assignable, read
-from tower.graph_state import get_graph_state
+from tf1_syncbn._graph.cache import graph_cache
 
 tf1 = tf.compat.v1
 
@@ -196,7 +196,7 @@ class _SharedUpdates(object):
         self.waiting = collections.defaultdict(list)       # same key -> early triggers
 
 
-def share_updates(group, updates, updating, updates_collections, after=()):
+def share_updates(site, updates, updating, updates_collections, after=()):
     """Puts a trigger of the main tower's updates into every other training tower's collections.
 
     TensorFlow runs an op once per step however many times it is fetched, so
@@ -205,7 +205,7 @@ def share_updates(group, updates, updating, updates_collections, after=()):
     control inputs when the main tower builds the updates.
 
     Args:
-      group: the call's :class:`~tf1_syncbn._sync.group.Group`.
+      site: the call's :class:`~tf1_syncbn._sync.group.CallSite`.
       updates: the update ops this tower built (only the main tower builds any).
       updating: whether this call updates the moving statistics at all.
       updates_collections: the collections the updates go to (None: inside the
@@ -219,20 +219,20 @@ def share_updates(group, updates, updating, updates_collections, after=()):
         ``get_updates_for`` was empty). Elsewhere nothing: fetching every
         tower's ``UPDATE_OPS`` then needs no other tower's input.
     """
-    if group.towers == 1 or updates_collections is None or not updating or \
-            group.replicated_updates or enclosing_while_loop() is not None:
+    if site.towers == 1 or updates_collections is None or not updating or \
+            site.replicated_updates or enclosing_while_loop() is not None:
         # (Inside a while loop, per-tower statistics: each tower's loop body is
         # a frame of its own, which no other tower's op can depend on.)
         return
-    shared = get_graph_state().slot('tf1_syncbn.updates', _SharedUpdates)
-    key = (group.towers, group.call)
-    if group.main:
+    shared = graph_cache().slot('tf1_syncbn.updates', _SharedUpdates)
+    key = (site.towers, site.call)
+    if site.main:
         if updates:
             shared.updates[key] = list(updates)
             for trigger in shared.waiting.pop(key, []):
                 trigger._add_control_inputs([_as_op(u) for u in updates])  # noqa: SLF001
         return
-    if group.ctx is not None and not group.ctx.is_training:
+    if site.ctx is not None and not site.ctx.is_training:
         return
     existing = shared.updates.get(key)
     with tf.control_dependencies([_as_op(a) for a in after]):

@@ -24,7 +24,7 @@ import contextlib
 import tensorflow as tf
 from tensorflow.python.util import function_utils
 
-from tower.graph_state import get_graph_state
+from tf1_syncbn._graph.cache import graph_cache
 
 tf1 = tf.compat.v1
 
@@ -166,7 +166,7 @@ def received_variables():
     if users is None:
         yield
         return
-    records = get_graph_state().slot(_RECEIVED, dict)
+    records = graph_cache().slot(_RECEIVED, dict)
     # As TensorFlow calls a custom getter: `constraint` only if it takes it.
     takes_constraint = 'constraint' in function_utils.fn_args(users) or \
         function_utils.has_kwargs(users)
@@ -227,7 +227,7 @@ def assignable(value):
     graph = getattr(value, 'graph', None)
     record = None
     if graph is not None:
-        record = get_graph_state(graph).slots.get(_RECEIVED, {}).get(id(value))
+        record = graph_cache(graph).slots.get(_RECEIVED, {}).get(id(value))
         if record is not None and record[0] is not value:
             record = None
     received = record[1] if record is not None else None

@@ -19,19 +19,18 @@ own errors:
   the ghost all-reduce can start.
 
 Every member of a group takes the same decision (the first member's), so
-they build the same collectives.
+they build the same collectives (:func:`tf1_syncbn._sync.member_shapes.checked_dims`,
+which ``tf1_syncbn.moments`` shares for the dimensions it keeps).
 """
 
 import tensorflow as tf
 
-from tower.graph_state import get_graph_state
+from tf1_syncbn._sync.member_shapes import RESTART, Messages, checked_dims
 
 __all__ = ['checked_batch']
 
 _SLOT = 'tf1_syncbn.ghost_batches'
-_RESTART = ('A failed step with collectives leaves the collectives of its session unusable '
-            '(later steps fail with "Collective ops is aborted"): after fixing the batch sizes, '
-            'open a new session or restart the process.')
+_RESTART = RESTART % 'batch sizes'
 
 
 def _fix(options):
@@ -56,58 +55,32 @@ def checked_batch(options, plan, x4):
       ValueError: when another member of the call has another static batch size.
 
     Hangs: the run-time check all-reduces (see
-      :meth:`~tf1_syncbn._sync.plan.SyncPlan.all_reduce`).
+      :func:`tf1_syncbn._sync.member_shapes.checked_dims`).
     """
-    static = tf.compat.dimension_value(x4.shape[0])
-    table = get_graph_state().slot(_SLOT, dict)
-    first = table.setdefault((plan.key.name, plan.key.group), (plan.tower, static))
-    first_tower, first_static = first
     vbs = options.virtual_batch_size
     name = options.arg('virtual_batch_size')
-    if first_tower == plan.tower:
-        if static is not None:
-            return x4
-    elif first_static is not None:
-        if static is not None:
-            if static != first_static:
-                raise options.error(
-                    '%s=%d over a sync group of %d members needs the same batch size in every '
-                    'tower (virtual batch k spans the k-th run of each), but tower %d has %d '
-                    'examples and tower %d has %d (static shapes). %s'
-                    % (name, vbs, plan.group_size, first_tower, first_static, plan.tower,
-                       static, _fix(options)))
-            return x4
-        batch = tf.shape(x4)[0]
-        check = tf.debugging.Assert(
-            tf.equal(batch, first_static),
-            ['%s: %s=%d needs the same batch size in every tower, but tower %d has %d '
-             'examples (static) and tower %d has:' % (options.layer, name, vbs, first_tower,
-                                                     first_static, plan.tower),
-             batch, '%s %s' % (_fix(options), _RESTART)], name='check_ghost_batch')
-        with tf.control_dependencies([check]):
-            return tf.identity(x4)
-    return _all_reduced_check(options, plan, x4)
 
+    def refuse(first_tower, first_static, tower, static):
+        return options.error(
+            '%s=%d over a sync group of %d members needs the same batch size in every '
+            'tower (virtual batch k spans the k-th run of each), but tower %d has %d '
+            'examples and tower %d has %d (static shapes). %s'
+            % (name, vbs, plan.num_members, first_tower, first_static[0], tower, static[0],
+               _fix(options)))
 
-def _all_reduced_check(options, plan, x4):
-    """Every member's batch size, all-reduced, asserted equal before the ghost all-reduce."""
-    towers = max(plan.group_size, plan.member + 1)
-    batch = tf.cast(tf.shape(x4)[0], tf.float64)
-    slots = tf.one_hot(plan.member, towers, dtype=tf.float64) * batch
-    packed = tf.concat([tf.stack([tf.ones([], tf.float64), batch, batch * batch]), slots], 0)
-    summed = plan.all_reduce(packed, 'ghost_batches')
-    members, total, squares = summed[0], summed[1], summed[2]
-    # Equal sizes iff their variance is zero (exact: integers in float64).
-    same = tf.equal(members * squares, total * total)
-    name = options.arg('virtual_batch_size')
-    listed = ('by tower index (summed over workers)' if plan.sync_group is None else
-              'by member of sync %s' % plan.sync_group.label())
-    check = tf.debugging.Assert(
-        same, ['%s: %s=%d needs the same batch size in every tower of the sync group (virtual '
-               'batch k spans the k-th run of each), but the towers\' batch sizes differ in '
-               'this step; %s:' % (options.layer, name, options.virtual_batch_size, listed),
-               summed[3:],
-               '%s %s' % (_fix(options), _RESTART)],
-        summarize=towers, name='check_ghost_batches')
-    with tf.control_dependencies([check]):
-        return tf.identity(x4)
+    def local(first_tower, first_static, tower, dims):
+        return ['%s: %s=%d needs the same batch size in every tower, but tower %d has %d '
+                'examples (static) and tower %d has:' % (options.layer, name, vbs, first_tower,
+                                                        first_static[0], tower),
+                dims[0], '%s %s' % (_fix(options), _RESTART)]
+
+    def reduced(listed, row, per_member):
+        del row
+        return ['%s: %s=%d needs the same batch size in every tower of the sync group (virtual '
+                'batch k spans the k-th run of each), but the towers\' batch sizes differ in '
+                'this step; %s:' % (options.layer, name, vbs, listed),
+                per_member[:, 0], '%s %s' % (_fix(options), _RESTART)]
+
+    return checked_dims(plan, _SLOT, x4, [tf.compat.dimension_value(x4.shape[0])],
+                        lambda: tf.shape(x4)[:1], Messages(refuse, local, reduced),
+                        'ghost_batches')

@@ -4,34 +4,36 @@ The layers never ask a harness directly: :func:`tower.get_current_tower_context`
 gives this library's ``TowerContext`` or another harness's tower (tensorpack's,
 a ``tf.distribute`` replica) through :mod:`tower.harness`, and a name scope
 gives the tower of scripts without tower objects (``tower_<i>``,
-``clone_<i>``, registered patterns). :func:`find_group` reads them;
+``clone_<i>``, registered patterns). :func:`find_call_site` reads them;
 :func:`choose_backend` turns ``sync_statistics`` into a backend for that
-group, and refuses, or warns, rather than normalize with one tower's
-statistics when the group cannot be told. :func:`check_untowered_copies`
-does the same for a tower loop it cannot see at all: one layer trained by
-copies on several devices, outside any tower it can name.
+group, and refuses at graph build rather than normalize with one tower's
+statistics when the group cannot be told (a warning followed by per-tower
+statistics would be a silent fallback). :func:`check_untowered_copies` does
+the same for a tower loop it cannot see at all: one layer trained by copies
+on several devices, outside any tower it can name.
 """
 
 import collections
-import warnings
 
 import tensorflow as tf
 
 from tf1_syncbn import backends
 from tf1_syncbn._sync.registry import base_name, get_registry
-from tf1_syncbn.errors import SyncBNWarning
 from tower import get_current_tower_context, tower_index_from_name
-from tower.graph_state import full_name_scope, get_graph_state
+from tower.graph_state import full_name_scope
 
 tf1 = tf.compat.v1
 
-__all__ = ['Group', 'find_group', 'choose_backend', 'check_untowered_copies',
+__all__ = ['CallSite', 'find_call_site', 'choose_backend', 'check_untowered_copies',
            'canonical_device', 'current_device', 'SyncGroup', 'sync_groups', 'find_sync_group']
 
 
-class Group(collections.namedtuple('Group', ['ctx', 'index', 'towers', 'main', 'call',
-                                             'workers', 'replicated_updates'])):
-    """Where a layer call is built.
+class CallSite(collections.namedtuple('CallSite', ['ctx', 'index', 'towers', 'main', 'call',
+                                                   'workers', 'replicated_updates'])):
+    """Where a layer call is built: its tower and the towers built with it.
+
+    Not the call's sync group (:class:`SyncGroup`, with ``group_size``): the
+    towers of this graph (and the harness's workers) that the group draws from.
 
     Attributes:
       ctx: the tower context (this library's, or another harness's seen
@@ -68,7 +70,7 @@ def current_device():
     return canonical_device(tf.no_op(name='device_probe').device)
 
 
-def find_group(options, prediction_towers_update=False):
+def find_call_site(options, prediction_towers_update=False):
     """Finds this call's tower, its index and the number of towers in its group.
 
     In order: a tower context (this library's, tensorpack's, a
@@ -83,7 +85,7 @@ def find_group(options, prediction_towers_update=False):
         do; slim's run in training towers only).
 
     Returns:
-      A :class:`Group`.
+      A :class:`CallSite`.
 
     Raises:
       ValueError: when ``num_dev`` disagrees with the tower context or the
@@ -124,7 +126,7 @@ def find_group(options, prediction_towers_update=False):
     # graph, `training=False`) never shift the towers' numbering.
     call = get_registry().call_name(towers, index, base) if options.is_training is not False \
         else '%s:inference' % base
-    return Group(ctx, index, towers, main, call, workers,
+    return CallSite(ctx, index, towers, main, call, workers,
                  bool(getattr(ctx, 'replicated_updates', False)))
 
 
@@ -187,9 +189,14 @@ def sync_groups(options, towers, workers):
     Returns:
       A tuple of sorted tuples of global tower indices, one per group.
 
+    An int ``group_size`` with one tower in all (one device, one worker) is
+    that tower's group, whatever its size: the script runs as written, its
+    statistics those of the tower's batch. Explicit groups must name exactly
+    the towers that exist, with one tower too (``[[0]]``).
+
     Raises:
-      ValueError: an int ``group_size`` that does not divide the towers, or
-        explicit groups that do not cover every tower once.
+      ValueError: with more than one tower, an int ``group_size`` that does not
+        divide the towers; explicit groups that do not cover every tower once.
     """
     spec, name, total = options.group_size, options.arg('group_size'), towers * workers
     where = ('%d towers' % total if workers == 1 else
@@ -197,6 +204,10 @@ def sync_groups(options, towers, workers):
     if spec is None:
         return (tuple(range(total)),)
     if isinstance(spec, int):
+        if total == 1:
+            # One tower in all (a one-device debug run of a script written for
+            # groups): its group is itself, whose batch is the group's batch.
+            return ((0,),)
         if total % spec:
             raise options.error(
                 '%s=%d does not divide the %s of its sync group: groups are consecutive global '
@@ -218,7 +229,7 @@ def sync_groups(options, towers, workers):
     return tuple(sorted(spec))
 
 
-def find_sync_group(options, group, backend):
+def find_sync_group(options, site, backend):
     """This member's :class:`SyncGroup`, or None when its group is every tower of every worker.
 
     Raises:
@@ -228,12 +239,12 @@ def find_sync_group(options, group, backend):
     """
     if options.group_size is None:
         return None
-    total = backend.group_size(group.towers)
-    workers = max(total // group.towers, 1)
-    groups = sync_groups(options, group.towers, workers)
+    total = backend.num_members(site.towers)
+    workers = max(total // site.towers, 1)
+    groups = sync_groups(options, site.towers, workers)
     if len(groups) == 1:
         return None
-    if group.replicated_updates and group.workers > 1:
+    if site.replicated_updates and site.workers > 1:
         # One worker: the strategy keeps replica 0's updates (ONLY_FIRST_REPLICA),
         # so the moving statistics follow replica 0's group, as the rule says.
         raise options.error(
@@ -241,7 +252,7 @@ def find_sync_group(options, group, backend):
             "strategies, whose workers each keep their first replica's moving statistics. "
             'Leave %s unset (every replica synchronizes), or run the workers with '
             'tf1_syncbn.distributed and tower.call_for_each_tower, where groups span workers.'
-            % (options.arg('group_size'), options.group_size, group.ctx,
+            % (options.arg('group_size'), options.group_size, site.ctx,
                options.arg('group_size')))
     rank = backend.worker_rank()
     if rank is None:
@@ -250,60 +261,69 @@ def find_sync_group(options, group, backend):
             "w's tower t is w * %d + t), which needs this worker's rank. Pass "
             'CollectiveBackend(num_workers=%d, rank=<this worker\'s rank>), or cluster.backend() '
             'from tf1_syncbn.distributed.'
-            % (options.arg('group_size'), options.group_size, backend, group.towers, workers))
+            % (options.arg('group_size'), options.group_size, backend, site.towers, workers))
     check = getattr(backend, 'check_groups', None)
     if check is not None:
-        check(options.layer, groups, group.towers)
-    me = rank * group.towers + group.index
+        check(options.layer, groups, site.towers)
+    me = rank * site.towers + site.index
     index = [g for g, members in enumerate(groups) if me in members][0]
-    return SyncGroup(groups, index, group.towers, workers, rank, group.index)
+    return SyncGroup(groups, index, site.towers, workers, rank, site.index)
 
 
 def _is_auto(spec):
     return isinstance(spec, str) and spec.lower() == 'auto'
 
 
-def choose_backend(options, group, device):
+def choose_backend(options, site, device):
     """The backend that synchronizes a training call of ``group`` on ``device``, or None.
 
     Returns:
       A :class:`~tf1_syncbn.SyncBackend`, or None for this tower's statistics
-      alone (``sync_statistics=None``, one tower, or ``'auto'`` in a tower of
-      unknown group, which warns).
+      alone (``sync_statistics=None``, one tower, or ``'auto'`` in tower 0 of
+      a name scope without ``num_dev``: one tower so far, since any higher
+      tower refuses, see below).
 
     Raises:
-      ValueError: when ``sync_statistics`` names a backend but the number of
-        towers is unknown (no tower context and no ``num_dev``): the layer
-        never falls back to per-tower statistics silently.
+      ValueError: when the number of towers is unknown (no tower context and
+        no ``num_dev``) and ``sync_statistics`` names a backend, or is
+        ``'auto'`` in a name scope of a tower above 0 (``tower_1``): the layer
+        never falls back to per-tower statistics, not even with a warning.
     """
     spec = options.sync_statistics
     if spec is None:
         return None
-    if group.towers is None:
+    if site.towers is None:
         # A name scope says "tower <i>", but nothing says how many towers.
         if not _is_auto(spec):
             raise _unknown_group_error(options, spec)
-        _warn_once(options, 'its name scope %r looks like tower %d of a multi-tower graph, '
-                   'but the number of towers is unknown, so it normalizes with this '
-                   "tower's statistics alone (no synchronization). Pass num_dev=<number of "
-                   'towers> to synchronize, build the towers in tower.TowerContext, or pass '
-                   'sync_statistics=None to keep per-tower statistics and silence this '
-                   'warning.' % (full_name_scope(), group.index))
-        return None
-    backend = backends.resolve(spec, options.layer, device, group.towers * group.workers,
-                               group.workers)
+        if site.index == 0:
+            # Alone, tower 0 is one tower; the graph of several never builds:
+            # tower 1 (any tower above 0) refuses here.
+            return None
+        raise options.error(
+            "%s='auto' cannot tell the layer's group: its name scope %r looks like tower %d "
+            'of a multi-tower graph, but nothing says how many towers there are, and the '
+            "layer does not normalize with this tower's statistics alone instead. Pass "
+            '%s=<number of towers in this graph> to synchronize the towers (tower i under a '
+            'name scope tower_<i>, tower<i> or clone_<i>), or build them in '
+            'tower.TowerContext / tower.call_for_each_tower; or pass %s=None to keep '
+            'per-tower statistics on purpose.'
+            % (options.arg('sync_statistics'), full_name_scope(), site.index,
+               options.arg('num_dev'), options.arg('sync_statistics')))
+    backend = backends.resolve(spec, options.layer, device, site.towers * site.workers,
+                               site.workers)
     if backend is None:
         return None
-    if group.replicated_updates and \
-            backend.group_size(group.towers) != group.towers * group.workers:
+    if site.replicated_updates and \
+            backend.num_members(site.towers) != site.towers * site.workers:
         # A tf.distribute strategy knows how many members the group has.
         raise options.error(
             '%s=%r synchronizes %d members, but %r has %d towers in all (%d per worker x %d '
             'workers). Pass sync_statistics=\'auto\' or CollectiveBackend(num_workers=%d).'
-            % (options.arg('sync_statistics'), backend, backend.group_size(group.towers),
-               group.ctx, group.towers * group.workers, group.towers, group.workers,
-               group.workers))
-    if group.ctx is None and options.num_dev is None and not backend.implicit_single_tower:
+            % (options.arg('sync_statistics'), backend, backend.num_members(site.towers),
+               site.ctx, site.towers * site.workers, site.towers, site.workers,
+               site.workers))
+    if site.ctx is None and options.num_dev is None and not backend.implicit_single_tower:
         raise _unknown_group_error(options, spec)
     return backend
 
@@ -321,64 +341,71 @@ def _unknown_group_error(options, spec):
            options.arg('num_dev')))
 
 
-def check_untowered_copies(options, group, variable, output):
-    """Raises or warns when copies of one layer train on several devices outside any tower.
+def check_untowered_copies(options, site, variable, output, hand_written=False):
+    """Raises when copies of one layer train on several devices outside any tower.
 
     A tower loop the layer cannot see (``for i: with tf.device('/gpu:%d' % i),
     tf.variable_scope('', reuse=i > 0):``, or under an unregistered ``gpu_<i>``
     name scope, without ``num_dev``) gives every copy a group of one: each
-    normalizes with its own device's batch. The graph shows it: one layer's
-    variables trained by copies on several devices. The graph's
+    would normalize with its own device's batch. The graph shows it: one
+    layer's variables trained by copies on several devices. The graph's
     :class:`~tf1_syncbn._sync.registry.CallRegistry` keeps the devices of each
-    layer's training copies outside any tower; from the second device on, a
-    layer with ``sync_statistics='auto'`` warns (:class:`SyncBNWarning`, once
-    per graph and layer) and one with an explicit backend raises. Copies on
-    one device (one layer applied to several inputs), inference copies and
-    copies without a device say nothing.
+    layer's training copies outside any tower; from the second device on, the
+    call raises at graph build, whatever its ``sync_statistics`` but None
+    (``'auto'`` included: a warning followed by per-device statistics would be
+    a silent fallback). Copies on one device (one layer applied to several
+    inputs), inference copies, copies without a device, ``num_dev`` (``1``:
+    one tower split across devices on purpose) and ``sync_statistics=None``
+    (per-device statistics on purpose) say nothing.
+
+    A hand-written layer's :func:`tf1_syncbn.moments` call has no variables of
+    its own: its copies are the training calls under one variable scope with
+    one name (the scope the call enters, ``bn/moments``), which a tower loop
+    gives every copy of a layer whose variables it shares (``reuse``), while
+    their name scopes differ (``bn``, ``bn_1``).
 
     Args:
       options: the call's :class:`~tf1_syncbn._core.options.Options`.
-      group: the call's :class:`Group`.
-      variable: the name of the layer's moving mean (of the variable a custom
-        getter received, :func:`tf1_syncbn._core.variables.variable_name`): it
-        names the layer's variables.
-      output: the call's output, whose device is the copy's.
+      site: the call's :class:`CallSite`.
+      variable: what names the layer in every copy: the name of its moving
+        mean (of the variable a custom getter received,
+        :func:`tf1_syncbn._core.variables.variable_name`), or with
+        ``hand_written``, the variable scope of the ``moments`` call.
+      output: a tensor the call built, whose device is the copy's.
+      hand_written: the call is :func:`tf1_syncbn.moments` (or
+        ``weighted_moments``) in a hand-written layer.
 
     Raises:
-      ValueError: for an explicit backend (``'horovod'``: the others refuse
-        the first copy outside any tower already).
+      ValueError: from the second device on, naming the devices and the fix.
     """
     if options.sync_statistics is None or options.is_training is False or \
-            group.ctx is not None or options.num_dev is not None or group.towers != 1:
+            site.ctx is not None or options.num_dev is not None or site.towers != 1:
         return
     device = canonical_device(output.op.device)
     if not device:
         return
     registry = get_registry()
-    devices = registry.untowered_copy_devices(variable, device)
+    key = 'tf1_syncbn.moments:%s' % variable if hand_written else variable
+    devices = registry.untowered_copy_devices(key, device)
     if len(devices) > 1:
-        message = (
-            'its variables (%s, ...) are used in training by copies on %d devices (%s), none '
-            'of them in a tower it can name (no tower context, no tower name scope, no %s; '
-            'this copy: name scope %r), so each copy normalizes with its own device\'s batch '
-            'alone. To synchronize the copies as towers, pass %s=<number of towers> and build '
+        num_dev = options.arg('num_dev')
+        if hand_written:
+            what = ("its calls under the variable scope %r (one hand-written layer's copies) "
+                    'are built for training on %d devices (%s)'
+                    % (variable, len(devices), ', '.join(devices)))
+            fix = 'tf1_syncbn.moments(..., %s=<number of towers>)' % num_dev
+        else:
+            what = ('its variables (%s, ...) are used in training by copies on %d devices (%s)'
+                    % (variable, len(devices), ', '.join(devices)))
+            fix = '%s=<number of towers>' % num_dev
+        raise options.error(
+            '%s, none of them in a tower it can name (no tower context, no tower name scope, '
+            "no %s; this copy: name scope %r), so each copy would normalize with its own "
+            "device's batch alone. To synchronize the copies as towers, pass %s and build "
             'tower i under a name scope tower_<i> (or register your convention, e.g. '
-            'tower.register_tower_pattern(r\'gpu_([0-9]+)\') for gpu_<i>), or build the '
+            "tower.register_tower_pattern(r'gpu_([0-9]+)') for gpu_<i>), or build the "
             'towers in tower.TowerContext / tower.call_for_each_tower. If the copies are one '
-            'tower on purpose (one model split across devices), pass %s=1'
-            % (variable, len(devices), ', '.join(devices), options.arg('num_dev'),
-               full_name_scope(), options.arg('num_dev'), options.arg('num_dev')))
-        if not _is_auto(options.sync_statistics):
-            raise options.error(message + '.')
-        _warn_once(options, message + ', or %s=None to keep per-device statistics and '
-                   'silence this warning.' % options.arg('sync_statistics'), 'untowered')
-    registry.add_untowered_copy(variable, device)
-
-
-def _warn_once(options, message, kind='unknown group'):
-    """Warns once per graph, layer and kind of warning."""
-    warned = get_graph_state().slot('tf1_syncbn.warned', set)
-    if (options.layer, kind) in warned:
-        return
-    warned.add((options.layer, kind))
-    warnings.warn('%s: %s' % (options.layer, message), SyncBNWarning, stacklevel=5)
+            'tower on purpose (one model split across devices), pass %s=1; to keep '
+            'per-device statistics on purpose, %s=None.'
+            % (what, num_dev, full_name_scope(), fix, num_dev, options.arg('sync_statistics')))
+    registry.add_untowered_copy(key, device)

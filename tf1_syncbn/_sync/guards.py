@@ -47,7 +47,8 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
 from tf1_syncbn._sync.registry import get_registry
-from tower.graph_state import get_graph_state, root_graph
+from tf1_syncbn._graph.cache import graph_cache
+from tower.graph_state import root_graph
 
 __all__ = ['step_guards', 'step_watchdog', 'host_cpu', 'TIMEOUT_MESSAGE']
 
@@ -57,9 +58,12 @@ TIMEOUT_MESSAGE = (
     'tf1_syncbn: this step ran more than %g s on this host while a collective of it still '
     'waited (the collective timeout: CollectiveBackend(timeout=...), TF1_SYNCBN_TIMEOUT, or the '
     'cluster\'s collective_timeout). Some tower or worker did not reach a synchronized layer in '
-    'this step: a tf.cond that skipped one in some tower, update ops run without the forward '
-    'pass of every tower, or a lost, frozen or paused worker. The collectives of this session '
-    'are aborted: open a new session.')
+    'this step: a run that fetches some towers\' synchronized ops but not the others\' (e.g. '
+    'one tower\'s output of a training graph, for evaluation: switch the layers with an '
+    'is_training tensor and feed it False, tf1_syncbn.moments(..., training=is_training) in '
+    'a hand-written batch norm, or fetch every tower), a tf.cond that skipped one in some '
+    'tower, update ops run without the forward pass of every tower, or a lost, frozen or '
+    'paused worker. The collectives of this session are aborted: open a new session.')
 
 
 def host_cpu(device):
@@ -119,7 +123,7 @@ def step_watchdog(device, timeout):
 def _shared_op(slot, build):
     """The op of ``slot`` in the root graph, built once there with ``build()``."""
     root = root_graph()
-    table = get_graph_state(root).slot(_SLOT, dict)
+    table = graph_cache(root).slot(_SLOT, dict)
     op = table.get(slot)
     if op is None:
         device = slot[1]

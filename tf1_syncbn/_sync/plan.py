@@ -24,7 +24,11 @@ from tf1_syncbn._sync.registry import get_registry
 from tf1_syncbn.backends import SyncKey
 from tower import TowerContext
 
-__all__ = ['SyncPlan', 'plan_sync', 'backward_direction']
+__all__ = ['SyncPlan', 'plan_sync', 'backward_direction', 'GROUP_OF_ONE']
+
+#: The name of the identity that stands for the all-reduce of a sync group of
+#: one tower (the audit, :mod:`tf1_syncbn.audit.layers`, reads it).
+GROUP_OF_ONE = 'sync_group_of_one'
 
 
 class SyncPlan(collections.namedtuple('SyncPlan',
@@ -47,9 +51,9 @@ class SyncPlan(collections.namedtuple('SyncPlan',
     """
 
     @property
-    def group_size(self):
-        """The number of all-reduce members."""
-        return self.key.group_size
+    def num_members(self):
+        """The number of all-reduce members (``key.num_members``)."""
+        return self.key.num_members
 
     @property
     def member(self):
@@ -78,8 +82,10 @@ class SyncPlan(collections.namedtuple('SyncPlan',
         """
         if direction == 'backward':
             direction = backward_direction(next(self.backward_builds))
-        if self.group_size == 1:        # group_size=1 across workers: this tower alone
-            return tf.identity(tensor)
+        if self.num_members == 1:
+            # A group of one tower: its sum is its own tensor. Named, so that the
+            # audit tells this tower's group of one from a tower left unsynchronized.
+            return tf.identity(tensor, name=GROUP_OF_ONE)
         with tf.control_dependencies(self.guards), timeouts.watched(self.watched), \
                 raw_collectives():
             return self.backend.all_reduce(tensor, self.key, direction)
@@ -136,7 +142,7 @@ def backward_direction(build):
     return 'backward' if build == 0 else 'backward/%d' % build
 
 
-def plan_sync(options, group):
+def plan_sync(options, site):
     """Plans a training call's synchronization, or returns None for local statistics.
 
     Chooses the backend (:func:`tf1_syncbn._sync.group.choose_backend`), builds the
@@ -146,11 +152,13 @@ def plan_sync(options, group):
 
     Args:
       options: the layer's :class:`~tf1_syncbn._core.options.Options`.
-      group: the call's :class:`~tf1_syncbn._sync.group.Group`.
+      site: the call's :class:`~tf1_syncbn._sync.group.CallSite`.
 
     Returns:
       A :class:`SyncPlan`, or None (no synchronization: ``sync_statistics``
-      None, a single member, or ``'auto'`` in an unknown group, which warns).
+      None, or one tower in all). A tower alone in its sync group gets a plan
+      whose all-reduces are identities (named :data:`GROUP_OF_ONE`): no
+      collective, no guard.
 
     Raises:
       ValueError: inside a while loop (see
@@ -161,18 +169,26 @@ def plan_sync(options, group):
     if options.sync_statistics is None:
         return None
     device = current_device()
-    backend = choose_backend(options, group, device)
+    backend = choose_backend(options, site, device)
     if backend is None:
-        if options.group_size is not None and group.towers is not None:
-            sync_groups(options, group.towers, group.workers)   # refuses a size that does not fit
+        if options.group_size is not None and site.towers is not None:
+            sync_groups(options, site.towers, site.workers)   # refuses a size that does not fit
         return None
-    sync_group = find_sync_group(options, group, backend)
-    group_size = backend.group_size(group.towers) if sync_group is None else \
-        len(sync_group.members)
-    if group_size == 1 and (sync_group is None or not sync_group.main_needs_worker0()):
-        return None
+    sync_group = find_sync_group(options, site, backend)
+    if sync_group is None:
+        num_members = backend.num_members(site.towers)
+        if num_members == 1:
+            return None                 # one tower in all
+    else:
+        num_members = len(sync_group.members)
+    # A tower alone in its sync group (group_size=1, or explicit groups such as
+    # [[0], [1, 2, 3]]) all-reduces nothing for its statistics (its plan sums
+    # over itself: identities), but it is planned and registered as every
+    # member is: the registry then knows that it built the layer, and checks
+    # that it built it with the same groups as the other towers.
+    collective = num_members > 1 or sync_group.main_needs_worker0()
     loop = enclosing_while_loop()
-    if loop is not None:
+    if loop is not None and collective:
         raise options.error(
             'a synchronized layer cannot be built inside the while loop %r (tf.while_loop, or '
             'tf.map_fn / tf.scan / a tf.function loop built on it). Its all-reduces would have '
@@ -180,14 +196,15 @@ def plan_sync(options, group):
             'inputs that bound them, so any mismatch would hang. Build the layer outside the '
             'loop, or pass %s=None for per-tower statistics inside it.'
             % (loop, options.arg('sync_statistics')))
-    key = SyncKey(name=group.call, layer=tf.compat.v1.get_variable_scope().name,
-                  group_size=group_size, device=device,
+    key = SyncKey(name=site.call, layer=tf.compat.v1.get_variable_scope().name,
+                  num_members=num_members, device=device,
                   members=None if sync_group is None else sync_group.members,
                   group=None if sync_group is None else sync_group.index)
     backend.check(key)
-    get_registry().register(key, group.index, group.towers, backend,
-                            track=isinstance(group.ctx, TowerContext),
+    get_registry().register(key, site.index, site.towers, backend,
+                            track=isinstance(site.ctx, TowerContext),
                             labels=None if sync_group is None else sync_group.local_labels())
-    guards, watched = _guards.step_guards(device, backend.step_timeout())
-    return SyncPlan(backend, key, guards, watched, itertools.count(), group.index, sync_group)
+    guards, watched = _guards.step_guards(device, backend.step_timeout()) if collective else \
+        ((), False)
+    return SyncPlan(backend, key, guards, watched, itertools.count(), site.index, sync_group)
 

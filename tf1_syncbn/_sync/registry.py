@@ -12,20 +12,22 @@
   the verdict of :meth:`CallRegistry.run_time_verdict`, which the registry
   keeps current in the graph through its listeners.
 
-The registry lives on its graph (:mod:`tower.graph_state`), shared by the graph's
-``tf.cond`` branches.
+The registry lives on its graph (:mod:`tf1_syncbn._graph.cache`), shared by the
+graph's ``tf.cond`` branches; it checks the towers when they exit through
+the tower contexts' exit hooks (:mod:`tower.graph_state`).
 """
 
 import collections
 
 from tf1_syncbn.backends import stable_hash
 from tower import strip_tower_prefix
+from tf1_syncbn._graph.cache import graph_cache
 from tower.graph_state import get_graph_state
 
 __all__ = ['CallRegistry', 'get_registry', 'base_name']
 
 
-class _Member(collections.namedtuple('_Member', ['device', 'backend', 'layer'])):
+class _Member(collections.namedtuple('_Member', ['device', 'backend', 'layer', 'num_members'])):
     pass
 
 
@@ -49,7 +51,7 @@ class CallRegistry(object):
         self._exited = collections.defaultdict(set)   # total -> tower indices exited
         self._pending = collections.defaultdict(set)  # total -> call names to check
         self._incomplete = {}       # call names some tower has not built yet, in order
-        self._unnamed = collections.defaultdict(list)  # variable -> devices of untowered copies
+        self._unnamed = collections.defaultdict(list)  # layer key -> devices of untowered copies
         self.listeners = []
 
     def call_name(self, towers, tower_index, base):
@@ -113,12 +115,14 @@ class CallRegistry(object):
                     '%s: tower %d synchronizes %r with %r but tower %d uses %r. Every tower '
                     'must use the same backend; pass sync_statistics explicitly.'
                     % (key.layer, tower_index, key.name, backend, index, member.backend))
-            if key.device and member.device == key.device:
+            # (A tower alone in its sync group joins no all-reduce.)
+            if key.device and member.device == key.device and key.num_members > 1 and \
+                    member.num_members > 1:
                 raise ValueError(
                     '%s: towers %d and %d are both on device %s. Two members of one '
                     'all-reduce on one device would abort the process; place each tower on '
                     'its own device.' % (key.layer, index, tower_index, key.device))
-        members[tower_index] = _Member(key.device, backend, key.layer)
+        members[tower_index] = _Member(key.device, backend, key.layer, key.num_members)
         self._totals[key.name] = total
         self._labels[key.name] = labels or None
         if track:
@@ -137,12 +141,15 @@ class CallRegistry(object):
 
         A layer whose variables are used in training by copies on several
         devices, none of them in a tower the layer can name (no tower context,
-        no tower name scope, no ``num_dev``), normalizes each copy alone: an
-        unnamed tower loop. Nothing is recorded here (see
+        no tower name scope, no ``num_dev``), would normalize each copy alone:
+        an unnamed tower loop. Nothing is recorded here (see
         :meth:`add_untowered_copy`), so that a call that raises leaves no trace.
 
         Args:
-          variable: the name of the layer's moving-mean variable.
+          variable: what names the layer in every copy: the name of its
+            moving-mean variable (a ``tf1_syncbn.moments`` call: a key made of
+            its variable scope, see
+            :func:`tf1_syncbn._sync.group.check_untowered_copies`).
           device: the canonical device of this copy.
 
         Returns:
@@ -230,14 +237,12 @@ class CallRegistry(object):
 
 def get_registry(graph=None):
     """The :class:`CallRegistry` of ``graph``'s root graph (default: the current graph)."""
-    state = get_graph_state(graph)
-
     def create():
         registry = CallRegistry()
-        state.tower_exit_hooks.append(registry.on_tower_exit)
+        get_graph_state(graph).tower_exit_hooks.append(registry.on_tower_exit)
         return registry
 
-    return state.slot('tf1_syncbn.registry', create)
+    return graph_cache(graph).slot('tf1_syncbn.registry', create)
 
 
 def base_name(layer_scope, ctx):

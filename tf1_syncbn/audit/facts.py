@@ -65,17 +65,20 @@ class LayerFacts:
       in_step: the training copies the step runs (all training copies when
         it runs none, or without a train op).
       computation: ``'tf1_syncbn'``, ``'fused'``, ``'moments'`` or ``'-'``.
+      hand_written: its ``'tf1_syncbn'`` computation is ``tf1_syncbn.moments``
+        calls (a batch norm written by hand), not one of the library's layers.
       mode: ``'train'``, ``'infer'`` or ``'train+infer'``.
       towers, training_towers, inference_towers, synced_towers: sorted tower
         labels: of every copy, of ``in_step``, of the inference paths, of the
-        ``in_step`` copies that all-reduce.
+        ``in_step`` copies that all-reduce (or are alone in their sync group).
       backends: the names of the backends of its forward all-reduces.
       group_sizes: the group sizes those all-reduces record, sorted (the
         all-reduce of the moving statistics across workers' sync groups left out).
       sync_groups: ``((towers, group sizes), ...)``: the towers whose forward
         all-reduces share a group key (NCCL: a group label), each with the
         sizes they record, in the order of their first tower; more than one
-        with sync groups (the layers' ``group_size``).
+        with sync groups (the layers' ``group_size``), where a tower alone in
+        its group is a group of its own, of size 1.
       collectives_per_step: its all-reduces (forward and backward) the step
         runs (all of them without a train op).
       devices: the canonical devices of the ``in_step`` copies that name one.
@@ -101,6 +104,7 @@ class LayerFacts:
     training: tuple
     in_step: tuple
     computation: str
+    hand_written: bool
     mode: str
     towers: tuple
     training_towers: tuple
@@ -164,12 +168,13 @@ def layer_facts(key, graph):
         in_step=tuple(in_step),
         computation=('tf1_syncbn' if 'library' in kinds else 'fused' if 'fused' in kinds else
                      'moments' if 'moments' in kinds else '-'),
+        hand_written=any(i.hand_written for i in group),
         mode=('infer' if not training else
               'train+infer' if any(i.inference for i in group) else 'train'),
         towers=unique_towers(i.tower for i in group),
         training_towers=unique_towers(i.tower for i in in_step),
         inference_towers=unique_towers(i.tower for i in group if i.inference),
-        synced_towers=unique_towers(i.tower for i in in_step if i.collectives),
+        synced_towers=unique_towers(i.tower for i in in_step if i.collectives or i.alone),
         backends=frozenset(b for b, _ in described),
         group_sizes=tuple(sorted({s for _, s in described if s})),
         sync_groups=_sync_groups(in_step),
@@ -188,9 +193,14 @@ def _main_group_statistics(node):
 
 
 def _sync_groups(in_step):
-    """The sync groups of a layer's training towers: ``((towers, group sizes), ...)``."""
+    """The sync groups of a layer's training towers: ``((towers, group sizes), ...)``.
+
+    A tower alone in its sync group all-reduces nothing: a group of one.
+    """
     groups = collections.OrderedDict()
     for instance in in_step:
+        if instance.alone:
+            groups.setdefault(('alone', instance.tower), ([instance.tower], {1}))
         for node in instance.collectives:
             if _main_group_statistics(node):
                 continue
@@ -200,14 +210,16 @@ def _sync_groups(in_step):
             size = collective_group(node)[1]
             if size:
                 sizes.add(size)
-    return tuple((tuple(towers), frozenset(sizes)) for towers, sizes in groups.values())
+    ordered = sorted(groups.values(), key=lambda group: min(
+        report_lib.tower_sort_key(t) for t in group[0]))
+    return tuple((tuple(towers), frozenset(sizes)) for towers, sizes in ordered)
 
 
 def _untowered(in_step):
     """``{tower: {device: [scopes]}}`` of unsynchronized copies on two devices or more."""
     by_tower = {}
     for instance in in_step:
-        if instance.collectives or not instance.device:
+        if instance.collectives or instance.alone or not instance.device:
             continue
         copies = by_tower.setdefault(instance.tower, {})
         copies.setdefault(canonical_device(instance.device), []).append(instance.scope)

@@ -90,6 +90,7 @@ class Instance(object):
         self.key = None
         self.anchors = []            # (node, kind)
         self.collectives = []        # forward all-reduces under its scope
+        self.alone = []              # identities that stand for a sync group of one's
 
     @property
     def kinds(self):
@@ -98,6 +99,13 @@ class Instance(object):
     @property
     def training(self):
         return bool(self.kinds & _TRAINING_KINDS)
+
+    @property
+    def hand_written(self):
+        """Whether its library anchors are ``tf1_syncbn.moments``' (under a ``moments`` scope)."""
+        return any(kind == 'library' and
+                   _MOMENTS.fullmatch(parent_scope(node.name).rsplit('/', 1)[-1])
+                   for node, kind in self.anchors)
 
     @property
     def inference(self):
@@ -279,7 +287,7 @@ def collective_group(node):
     backend = backend_of_op_type(node.op)
     if backend is None:
         return None
-    attribute = backend.group_size_attributes.get(node.op)
+    attribute = backend.num_members_attributes.get(node.op)
     size = node.get_attr(attribute) if attribute else None
     return backend.name, size.i if size is not None else None
 
@@ -305,20 +313,36 @@ def collective_key(node):
     return (node.op, key.i if key is not None else None)
 
 
+#: The name of the identity that stands for the all-reduce of a tower alone in
+#: its sync group (``group_size=1``, or explicit groups with a group of one):
+#: ``tf1_syncbn._sync.plan.GROUP_OF_ONE``.
+GROUP_OF_ONE = re.compile(r'sync_group_of_one(_[0-9]+)?')
+
+
+def _is_group_of_one(node):
+    return node.op == 'Identity' and GROUP_OF_ONE.fullmatch(node.name.rsplit('/', 1)[-1])
+
+
 def _attach_collectives(index, instances):
-    """Forward all-reduces to the instance whose scope holds them; returns the backward ones."""
+    """Forward all-reduces (and groups of one) to the instance whose scope holds them.
+
+    Returns:
+      The backward all-reduces.
+    """
     backward = []
     for node in index.nodes:
-        if collective_group(node) is None:
+        alone = _is_group_of_one(node)
+        if not alone and collective_group(node) is None:
             continue
         if is_gradient_scope(node.name):
-            backward.append(node)
+            if not alone:
+                backward.append(node)
             continue
         scope = parent_scope(node.name)
         while scope and scope not in instances:
             scope = parent_scope(scope)
         if scope in instances:
-            instances[scope].collectives.append(node)
+            (instances[scope].alone if alone else instances[scope].collectives).append(node)
     return backward
 
 

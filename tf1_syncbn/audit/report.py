@@ -7,7 +7,7 @@ problems (each naming the layer's scope and the fix) and the notes
 
 import re
 
-__all__ = ['AuditReport', 'LayerAudit', 'format_towers', 'tower_sort_key']
+__all__ = ['AuditReport', 'LayerAudit', 'format_towers', 'tower_sort_key', 'as_dict']
 
 #: ``LayerAudit.updates`` values.
 UPDATES_RUN = 'train_op'            # reachable from the train op
@@ -197,3 +197,33 @@ class AuditReport(object):
                      'FAILED: %d problem%s.' % (len(self.problems),
                                                '' if len(self.problems) == 1 else 's'))
         return '\n'.join(lines)
+
+
+#: The fields of a :class:`LayerAudit` that :func:`as_dict` writes, in order.
+LAYER_FIELDS = ('name', 'towers', 'training_towers', 'inference_towers', 'mode', 'computation',
+                'synchronized', 'backend', 'group_size', 'groups', 'collectives_per_step',
+                'updates', 'update_ops', 'moving_variables', 'devices', 'problems', 'notes')
+
+
+def as_dict(report):
+    """The report as a dict of JSON types (``json.dumps`` writes it as it is).
+
+    ``{'ok', 'train_op', 'towers', 'problems', 'notes', 'layers': [{field:
+    value}]}``, each layer with the attributes of :class:`LayerAudit`
+    (:data:`LAYER_FIELDS`; tuples become lists) and its table cells
+    (``'towers_summary'``, ``'sync_summary'``). ``python -m tf1_syncbn.run
+    --report PATH`` writes it.
+    """
+    def plain(value):
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+
+    layers = []
+    for layer in report.layers:
+        entry = {field: plain(getattr(layer, field)) for field in LAYER_FIELDS}
+        entry['towers_summary'] = layer.towers_summary()
+        entry['sync_summary'] = layer.sync_summary()
+        layers.append(entry)
+    return {'ok': report.ok, 'train_op': list(report.train_op), 'towers': list(report.towers),
+            'problems': list(report.problems), 'notes': list(report.info), 'layers': layers}

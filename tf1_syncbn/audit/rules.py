@@ -81,8 +81,22 @@ def unsynchronized_towers(layer):
                   'tf1_syncbn.keras.patch_keras() (Keras), tf1_syncbn.BatchNorm or '
                   'tf1_syncbn.patch_tensorpack() (tensorpack)')
         if layer.computation == 'tf1_syncbn':
-            fix = ("Pass sync_statistics='auto' (or a backend) instead of None")
-        elif layer.computation == 'moments':
+            # The graph does not say why: sync_statistics=None (tensorpack's default),
+            # or towers the layer could not count (built before it refused that).
+            return [Problem(
+                '%s: built in %d towers (%s) but normalizes each tower with its own batch\'s '
+                'statistics (no all-reduce). %s synchronizes the towers it can count, unless '
+                'its sync_statistics is None: pass %s where no tower context gives the number '
+                'of towers (tower_<i> / clone_<i> name scopes, or a convention registered '
+                "with tower.register_tower_pattern), and sync_statistics='auto' (or a "
+                'backend) where it is None%s.'
+                % (key, len(towers), listed,
+                   'tf1_syncbn.moments' if layer.hand_written else "tf1_syncbn's layer",
+                   _num_dev(layer, len(towers)),
+                   '' if layer.hand_written else
+                   " (tensorpack's default, which tf1_syncbn.BatchNorm / BatchRenorm and "
+                   'patch_tensorpack keep)'))]
+        if layer.computation == 'moments':
             # tf.nn.moments: a batch norm written by hand, or a library's non-fused
             # layer (tf.layers, slim, Keras with fused=False): the graph cannot tell.
             fix = ('Synchronize it: written by hand, replace its tf.nn.moments by '
@@ -107,7 +121,7 @@ def unsynchronized_towers(layer):
             '(%s), so each all-reduce covers part of the global batch. Make the group span '
             'every tower: build the towers with call_for_each_tower or '
             'TowerContext(total=%d), pass num_dev=%d for name-scope towers, or use a '
-            'backend whose group_size() counts every tower.'
+            'backend whose num_members() counts every tower.'
             % (key, min(sizes), '/'.join(sorted(backends)) or 'an', len(towers), listed,
                len(towers), len(towers)))]
     return []
@@ -157,29 +171,90 @@ def untowered_copies(layer):
 
     A tower loop that neither the layer nor the audit can see (no tower name
     scope, or an unregistered one, and no tower context): every copy had a
-    group of one.
+    group of one. Where the copies' name scopes follow a convention
+    (``gpu0``, ``gpu_1``, ``GPU-2``), the advice gives the pattern that
+    matches them.
     """
     problems = []
     for tower, copies in layer.untowered.items():
+        towers = '<number of towers>'
         if layer.computation == 'tf1_syncbn':
-            fix = 'Pass'
+            fix = "Pass %s (and sync_statistics='auto'%s where it is None)" % (
+                _num_dev(layer, towers), ', its default,' if layer.hand_written else
+                ' or a backend')
+        elif layer.computation == 'moments':
+            fix = ("With tf1_syncbn.moments in place of its tf.nn.moments (written by hand, "
+                   "docs/hand-written.md) or tf1_syncbn's layers (a library's layer: " +
+                   _LAYERS + '), pass num_dev=%s' % towers)
         else:
-            fix = ("With tf1_syncbn's layers (sync_batch_norm, tf1_syncbn.layers, "
-                   'tf1_syncbn.keras, BatchNorm, or the patches patch_tf_layers(), '
-                   'keras.patch_keras(), patch_tensorpack()), pass')
+            fix = "With tf1_syncbn's layers (%s), pass num_dev=%s" % (_LAYERS, towers)
         scopes = sorted(s for found in copies.values() for s in found)
+        pattern = _tower_pattern(scopes)
+        if pattern is None:
+            convention = ("e.g. tower.register_tower_pattern(r'gpu_([0-9]+)') for gpu_<i> name "
+                          'scopes, and audit with tower_patterns / --tower-pattern')
+        else:
+            names = sorted({part for s in scopes for part in s.split('/')
+                            if re.fullmatch(pattern, part)}, key=report_lib.tower_sort_key)
+            convention = ("tower.register_tower_pattern(r'%s') for these %s name scopes, and "
+                          "audit with tower_patterns=[r'%s'] / --tower-pattern '%s'"
+                          % (pattern, _some(names, 2), pattern, pattern))
         problems.append(Problem(
             '%s: trained by copies on %d devices (%s) that no tower name tells apart (%s%s), '
             "each normalizing with its own device's batch (no all-reduce): a tower loop the "
-            'layer cannot see. %s num_dev=<number of towers> and build tower i under a '
-            'name scope tower_<i> (or register your convention: '
-            "tower.register_tower_pattern(r'gpu_([0-9]+)') for gpu_<i>, and audit with "
-            'tower_patterns / --tower-pattern), or build the towers in tower.TowerContext / '
+            'layer cannot see. %s and build tower i under a name scope tower_<i> (or '
+            'register your convention: %s), or build the towers in tower.TowerContext / '
             'tower.call_for_each_tower. (A model split across devices on purpose, one tower, '
             'shows the same way.)'
             % (layer.key, len(copies), ', '.join(sorted(copies)), _some(scopes),
-               ' in ' + tower if tower else '', fix)))
+               ' in ' + tower if tower else '', fix, convention)))
     return problems
+
+
+#: The layers of tf1_syncbn and the switches, for code that uses another library's.
+_LAYERS = ('sync_batch_norm, tf1_syncbn.layers, tf1_syncbn.keras, BatchNorm, or the patches '
+           'patch_tf_layers(), keras.patch_keras(), patch_tensorpack()')
+
+#: A name-scope component made of a text around a number (its last one): the tower index.
+_NUMBERED = re.compile(r'(.*?)([0-9]+)([^0-9]*)')
+
+
+def _num_dev(layer, towers):
+    """``num_dev=<towers>`` as the layer takes it (``tf1_syncbn.moments(..., num_dev=N)``)."""
+    if layer.hand_written:
+        return 'tf1_syncbn.moments(..., num_dev=%s)' % towers
+    return 'num_dev=%s' % towers
+
+
+def _tower_pattern(scopes):
+    r"""A tower pattern that names the copies of a layer by their name scopes, or None.
+
+    The first path component above the layer's own (the last) in which the
+    scopes differ, when each holds the same text around a different number
+    (``gpu0`` / ``gpu1``: ``r'gpu([0-9]+)'``; ``GPU-0``: ``r'GPU\-([0-9]+)'``).
+    The pattern, one group for the index as :func:`tower.register_tower_pattern`
+    takes it, is checked to match every copy's component.
+
+    Args:
+      scopes: the copies' full name scopes (``gpu0/bn``, ``gpu1/bn``).
+
+    Returns:
+      The pattern, a string, or None (the copies' scopes name no towers:
+      ``bn``, ``bn_1``).
+    """
+    parts = [scope.split('/')[:-1] for scope in scopes]
+    for components in zip(*parts):
+        if len(set(components)) < 2:
+            continue
+        found = [_NUMBERED.fullmatch(c) for c in components]
+        if None in found or len({(m.group(1), m.group(3)) for m in found}) > 1 or \
+                len({int(m.group(2)) for m in found}) < len(found):
+            continue
+        pattern = re.escape(found[0].group(1)) + '([0-9]+)' + re.escape(found[0].group(3))
+        matched = [re.fullmatch(pattern, c) for c in components]
+        if all(m is not None and m.group(1) == n.group(2) for m, n in zip(matched, found)):
+            return pattern
+    return None
 
 
 def updates_not_run(layer):

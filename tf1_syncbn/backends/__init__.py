@@ -2,8 +2,9 @@
 
 Each backend is one small object with the same two methods:
 
-* ``group_size(towers)``: how many members the all-reduce has, given the
-  number of towers built in this graph;
+* ``num_members(towers)``: how many members the all-reduce has, given the
+  number of towers built in this graph (``key.num_members``; which towers
+  they are, with sync groups, is ``key.members``);
 * ``all_reduce(tensor, key, direction)``: the element-wise sum of ``tensor``
   over every member, built on ``key.device``.
 
@@ -13,6 +14,11 @@ for the k-th after it (``tf1_syncbn._sync.plan.backward_direction``). Every memb
 of a group must build the same keys, in any order; names and keys are derived
 from layer names and directions, never from counters that differ between
 towers or processes.
+
+The member count was called ``group_size`` before (``group_size(towers)``,
+``key.group_size``, ``group_size_attributes``), a name the layers' own
+``group_size`` (the user's sync groups) keeps: a backend written with the old
+names still works, with a ``DeprecationWarning`` (see :class:`SyncBackend`).
 
 Choose a backend with the ``sync_statistics`` argument of the layers: a string
 (``'collective'``, ``'nccl'``, ``'horovod'``, ``'auto'``), None, or a backend

@@ -7,7 +7,7 @@ are defined in :mod:`tf1_syncbn.backends.keys`.
 
 import tensorflow as tf
 
-from tf1_syncbn.backends.keys import SyncKey, group_label, stable_hash
+from tf1_syncbn.backends.keys import SyncKey, deprecated_count, group_label, stable_hash
 
 __all__ = ['SyncBackend', 'SyncKey', 'stable_hash', 'group_label', 'device_type',
            'physical_gpu_count', 'gpus_present', 'local_gpu_count', 'check_local_gpu']
@@ -87,7 +87,21 @@ def _missing_gpu_error(layer, device, backend_name):
 
 
 class SyncBackend(object):
-    """Interface of an all-reduce backend (see the module docstring)."""
+    """Interface of an all-reduce backend (see :mod:`tf1_syncbn.backends`).
+
+    A subclass defines :meth:`all_reduce` (and :meth:`all_reduce_workers` for
+    sync groups across workers); :meth:`num_members`, :meth:`check`,
+    :meth:`worker_rank` and :meth:`step_timeout` have defaults.
+
+    Deprecated: the member count was called ``group_size`` before
+    (``group_size(towers)``, ``group_size_attributes``, ``key.group_size``).
+    A backend written against those names still works: the library calls its
+    ``group_size(towers)`` where it does not define ``num_members``, reads its
+    ``group_size_attributes`` where it does not set ``num_members_attributes``,
+    and warns once, when the class is defined, with a ``DeprecationWarning``;
+    calling ``backend.group_size(towers)`` warns and returns
+    :meth:`num_members`.
+    """
 
     #: The string that selects this backend in ``sync_statistics`` (also the
     #: audit's label of its all-reduces).
@@ -99,8 +113,9 @@ class SyncBackend(object):
     #: synchronized layer by them (:mod:`tf1_syncbn.audit.layers`).
     op_types = frozenset()
 
-    #: ``{op type: attribute}`` of the op types that record their group size.
-    group_size_attributes = {}
+    #: ``{op type: attribute}`` of the op types that record their number of members
+    #: (``CollectiveReduce``'s ``group_size``, ``NcclAllReduce``'s ``num_devices``).
+    num_members_attributes = {}
 
     #: What every op type of the communication library behind it starts with
     #: (``'Collective'``): an exported inference graph holds none
@@ -114,9 +129,33 @@ class SyncBackend(object):
     #: statistics.
     implicit_single_tower = False
 
-    def group_size(self, towers):
+    def __init_subclass__(cls, **kwargs):
+        """Keeps both names of the member count working in every subclass (see the class)."""
+        super().__init_subclass__(**kwargs)
+        own = vars(cls)
+        if 'group_size' in own and 'num_members' not in own:
+            deprecated_count('%s.group_size(towers)' % cls.__name__)
+            cls.num_members = _calling(own['group_size'], None)
+        elif 'num_members' in own and 'group_size' not in own:
+            cls.group_size = _calling(own['num_members'], cls.__name__)
+        if 'group_size_attributes' in own and 'num_members_attributes' not in own:
+            deprecated_count('%s.group_size_attributes' % cls.__name__)
+            cls.num_members_attributes = own['group_size_attributes']
+
+    def num_members(self, towers):
         """Number of all-reduce members when ``towers`` towers are in this graph."""
         return towers
+
+    def group_size(self, towers):
+        """Deprecated: :meth:`num_members`."""
+        deprecated_count('%s.group_size(towers)' % type(self).__name__)
+        return SyncBackend.num_members(self, towers)
+
+    @property
+    def group_size_attributes(self):
+        """Deprecated: :attr:`num_members_attributes`."""
+        deprecated_count('%s.group_size_attributes' % type(self).__name__)
+        return self.num_members_attributes
 
     def check(self, key):
         """Raises ``ValueError`` at graph build when ``key`` cannot work here."""
@@ -150,3 +189,21 @@ class SyncBackend(object):
 
     def __repr__(self):
         return '%s()' % type(self).__name__
+
+
+def _calling(method, deprecated):
+    """``method`` under the member count's other name (deprecated: with its class's name).
+
+    A class's old ``group_size`` serves as its ``num_members``; a class's
+    ``num_members`` answers its deprecated ``group_size``, so that an old
+    override's ``super().group_size(towers)`` reaches its parent's count.
+    """
+    def count(self, towers):
+        if deprecated is not None:
+            deprecated_count('%s.group_size(towers)' % deprecated)
+        return method(self, towers)
+
+    count.__name__ = 'group_size' if deprecated is not None else 'num_members'
+    count.__doc__ = 'Deprecated: :meth:`num_members`.' if deprecated is not None else \
+        method.__doc__
+    return count

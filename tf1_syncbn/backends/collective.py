@@ -44,7 +44,7 @@ class CollectiveBackend(SyncBackend):
 
     name = 'collective'
     op_types = frozenset(['CollectiveReduce', 'CollectiveReduceV2'])
-    group_size_attributes = {'CollectiveReduce': 'group_size'}
+    num_members_attributes = {'CollectiveReduce': 'group_size'}
     op_type_prefix = 'Collective'
 
     def __init__(self, timeout=None, communication_hint='auto', num_workers=1, rank=None):
@@ -65,14 +65,14 @@ class CollectiveBackend(SyncBackend):
         self.num_workers = num_workers
         self.rank = rank
 
-    def group_size(self, towers):
+    def num_members(self, towers):
         return towers * self.num_workers
 
     def worker_rank(self):
         return 0 if self.num_workers == 1 else self.rank
 
     def group_key(self, key):
-        return stable_hash('tf1_syncbn/group/%s/%d%s' % (device_type(key.device), key.group_size,
+        return stable_hash('tf1_syncbn/group/%s/%d%s' % (device_type(key.device), key.num_members,
                                                          group_label(key)))
 
     def instance_key(self, key, direction):
@@ -82,16 +82,16 @@ class CollectiveBackend(SyncBackend):
 
     def all_reduce_workers(self, tensor, key, direction):
         # The group of every worker's tower of this index (one per worker).
-        return self.all_reduce(tensor, key._replace(group_size=self.num_workers, members=None,
+        return self.all_reduce(tensor, key._replace(num_members=self.num_workers, members=None,
                                                     group=None), direction)
 
     def check(self, key):
-        if key.group_size > 1 and not key.device:
+        if key.num_members > 1 and not key.device:
             raise ValueError(
                 "%s: sync_statistics='collective' needs each tower on its own device, but this "
                 "tower has no device. Build towers under tf.device (for example with "
                 "tower.call_for_each_tower)." % key.layer)
-        if key.group_size > 1:
+        if key.num_members > 1:
             check_local_gpu(key.layer, key.device, self.name)
 
     def step_timeout(self):
@@ -101,7 +101,7 @@ class CollectiveBackend(SyncBackend):
         from tensorflow.python.ops import collective_ops  # noqa: PLC0415 - TF-internal
         with tf.device(key.device):
             return collective_ops.all_reduce(
-                tensor, key.group_size, self.group_key(key), self.instance_key(key, direction),
+                tensor, key.num_members, self.group_key(key), self.instance_key(key, direction),
                 merge_op='Add', final_op='Id', communication_hint=self.communication_hint,
                 timeout=op_timeout(self.timeout))
 

@@ -69,7 +69,7 @@ class HorovodBackend(SyncBackend):
                 "--stall-check-shutdown-time-seconds) to turn it into an error.", UserWarning,
                 stacklevel=2)
 
-    def group_size(self, towers):
+    def num_members(self, towers):
         return self._hvd.size() * towers
 
     def worker_rank(self):
@@ -96,13 +96,13 @@ class HorovodBackend(SyncBackend):
 
     def towers(self, key):
         """The number of towers per process in ``key``'s group."""
-        return key.group_size // self._hvd.size()
+        return key.num_members // self._hvd.size()
 
     def check(self, key):
         if key.members is not None:
             self._local.check(key)
         elif self.towers(key) > 1:
-            self._local.check(key._replace(group_size=self.towers(key)))
+            self._local.check(key._replace(num_members=self.towers(key)))
 
     def all_reduce_workers(self, tensor, key, direction):
         name = re.sub(r'[^A-Za-z0-9_.-]', '_', 'tf1_syncbn.%s.%s' % (key.name, direction))
@@ -115,7 +115,7 @@ class HorovodBackend(SyncBackend):
                                           direction)
         towers = self.towers(key)
         if towers > 1:
-            local = key._replace(name='horovod/' + key.name, group_size=towers)
+            local = key._replace(name='horovod/' + key.name, num_members=towers)
             tensor = self._local.all_reduce(tensor, local, direction)
         name = re.sub(r'[^A-Za-z0-9_.-]', '_', 'tf1_syncbn.%s.%s' % (key.name, direction))
         with tf.device(key.device):

@@ -21,11 +21,11 @@ class NcclBackend(SyncBackend):
 
     name = 'nccl'
     op_types = frozenset(['NcclAllReduce'])
-    group_size_attributes = {'NcclAllReduce': 'num_devices'}
+    num_members_attributes = {'NcclAllReduce': 'num_devices'}
     op_type_prefix = 'Nccl'
 
     def check(self, key):
-        if key.group_size <= 1:
+        if key.num_members <= 1:
             return
         if device_type(key.device) != 'GPU':
             raise ValueError(
@@ -42,5 +42,5 @@ class NcclBackend(SyncBackend):
         from tensorflow.python.ops import gen_nccl_ops  # noqa: PLC0415 - NCCL backend only
         with tf.device(key.device):
             return gen_nccl_ops.nccl_all_reduce(
-                input=tensor, reduction='sum', num_devices=key.group_size,
+                input=tensor, reduction='sum', num_devices=key.num_members,
                 shared_name=self.shared_name(key, direction))

@@ -13,7 +13,7 @@ from tf1_syncbn.distributed.collectives import broadcast_variables
 from tf1_syncbn.distributed.errors import (EXIT_STARTUP_HANG, PeerMissingError, WorkerLostError,
                                            hard_exit)
 from tf1_syncbn.distributed.peers import unreachable_peers, wait_for_peers
-from tf1_syncbn.restarts import RESTART_COUNT_ENV, start_line
+from tf1_syncbn.launch.restarts import RESTART_COUNT_ENV, start_line
 
 tf1 = tf.compat.v1
 log = logging.getLogger('tf1_syncbn.distributed')
@@ -126,7 +126,7 @@ class WorkerSession(object):
     or 0): a job that feeds data by step resumes exactly where it stopped.
     Under ``python -m tf1_syncbn.launch --max-restarts N`` (which sets
     ``TF1_SYNCBN_RESTART_COUNT``), the chief prints to stderr the step and
-    checkpoint it starts from (:func:`tf1_syncbn.restarts.start_line`), which
+    checkpoint it starts from (:func:`tf1_syncbn.launch.restarts.start_line`), which
     the launcher logs for each restart.
 
     Args:

@@ -16,15 +16,28 @@ tensor and op names are those of the graph before the import.
 
 import json
 import os
+import re
 
 import numpy as np
 import tensorflow as tf
 
 from tf1_syncbn._core import records as _inference_records
+from tf1_syncbn.backends import all_op_type_prefixes
+from tf1_syncbn.kernels import OP_TYPE_PREFIX
 
-__all__ = ['session_graph', 'constant_values', 'distinct', 'export_dir', 'consumed', 'records',
-           'check_needed']
+__all__ = ['session_graph', 'tensor', 'tensors', 'constant_values', 'distinct', 'export_dir',
+           'consumed', 'records', 'check_needed', 'check_layers', 'check_exported',
+           'FORBIDDEN_OP_PREFIXES', 'SCOPE', 'MODEL_SCOPE']
 
+#: Op types an exported graph may not hold: the compiled library's ops, every
+#: backend's communication library (TensorFlow's collectives, NCCL, Horovod:
+#: what the backends declare) and Python ops (none of them loads without this process).
+FORBIDDEN_OP_PREFIXES = ((OP_TYPE_PREFIX,) + all_op_type_prefixes() + ('PyFunc', 'EagerPyFunc'))
+#: The name scope of the exporter's own ops while it works, and of the exported model's
+#: (every op but the inputs and outputs, which take the names of their keys).
+SCOPE = 'tf1_syncbn_export'
+MODEL_SCOPE = 'model'
+_NAME = re.compile(r'^[A-Za-z0-9.][A-Za-z0-9_.\-]*$')
 _WHERE = 'tf1_syncbn.export'
 _PLACEHOLDERS = ('Placeholder', 'PlaceholderV2')
 _SPLITS = ('Split', 'SplitV')
@@ -297,3 +310,72 @@ def _share_of_batch(nodes, node, needed):
                                       ':%d' % stride if stride != 1 else '')
     return None
 
+
+def tensor(graph, value, what):
+    """``value`` (a tensor, or a tensor's name) as a tensor of ``graph``."""
+    if isinstance(value, str):
+        try:
+            return graph.get_tensor_by_name(value)
+        except (KeyError, ValueError) as e:
+            raise ValueError('tf1_syncbn.export: %s names %r, which is no tensor of the '
+                             "session's graph (%s)." % (what, value, e)) from None
+    if isinstance(value, tf.Variable):
+        value = value.value()
+    if not isinstance(value, tf.Tensor):
+        raise TypeError('tf1_syncbn.export: %s must hold tensors (or their names), got %r.'
+                        % (what, value))
+    if value.graph is not graph:
+        raise ValueError("tf1_syncbn.export: %s holds %s, which is not in the session's graph."
+                         % (what, value.name))
+    return value
+
+
+def tensors(graph, mapping, what):
+    if not isinstance(mapping, dict):
+        raise TypeError('tf1_syncbn.export: %s must be a dict {name: tensor}, got %r.'
+                        % (what, mapping))
+    out = {}
+    for key, value in mapping.items():
+        if not isinstance(key, str) or not _NAME.match(key) or key == MODEL_SCOPE or \
+                key.startswith(SCOPE):
+            raise ValueError('tf1_syncbn.export: %s key %r is not a usable op name (letters, '
+                             "digits, '_', '.', '-'; not %r)." % (what, key, MODEL_SCOPE))
+        out[key] = tensor(graph, value, '%s[%r]' % (what, key))
+    return out
+
+
+def check_layers(graph_def, records):
+    """Raises when the outputs need a layer inside a function body (not replaced).
+
+    Call it before freezing, which renames the functions it rewrites.
+    """
+    functions = {f.signature.name for f in graph_def.library.function}
+    nodes = {node.name for node in graph_def.node}
+    kept = sorted({r['layer'] for r in records if r.get('function') in functions or
+                   (r.get('in_loop') and r['output'].rsplit(':', 1)[0] in nodes)})
+    if kept:
+        raise ValueError(
+            'tf1_syncbn.export: the outputs need layers built inside a tf.cond or '
+            'tf.while_loop function body, or inside a while loop, which the exporter cannot '
+            'replace by their inference op: %s. Build them outside it, or build the inference '
+            'model with is_training=False.' % ', '.join(kept[:5]))
+
+
+def check_exported(graph_def, placeholders):
+    """Raises when the graph holds ops that need this library, or an unfed placeholder."""
+    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+    bad = sorted({'%s (%s)' % (n.name, n.op) for n in nodes
+                  if n.op.startswith(FORBIDDEN_OP_PREFIXES)})
+    if bad:
+        raise ValueError(
+            'tf1_syncbn.export: the outputs still need ops that only this library or this '
+            'process can run: %s%s. Export outputs that do not depend on them (a py_func of '
+            'your own cannot be exported).' % (
+                ', '.join(bad[:5]), ' and %d more' % (len(bad) - 5) if len(bad) > 5 else ''))
+    unfed = sorted(n.name for n in graph_def.node
+                   if n.op in ('Placeholder', 'PlaceholderV2') and n.name not in placeholders)
+    if unfed:
+        raise ValueError(
+            'tf1_syncbn.export: the outputs need the placeholders %s (names in the exported '
+            "graph); give each tensor in inputs (served) or in constants (for example "
+            '{is_training: False}).' % ', '.join(unfed))

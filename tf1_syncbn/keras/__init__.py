@@ -14,7 +14,9 @@ Keras 2 is tf-keras (the package ``tf_keras``), or on TensorFlow 2.15 the
   builds these (see :mod:`tf1_syncbn.keras.patch`).
 
 Each is a subclass of tf-keras' own class that keeps its constructor,
-``build`` (the weights, their names, order, dtypes and aggregation),
+``build`` (the weights, their names, order, dtypes and aggregation; but with
+sync groups, the moving statistics read replica 0's copy under a
+``tf.distribute`` strategy: :func:`~tf1_syncbn.keras.rules.statistics_aggregation`),
 ``get_config`` and training rules, and replaces the computation of ``call``
 with one call of the shared core (:func:`tf1_syncbn._core.call.batch_norm`): the
 towers, groups, backends, guards, shared updates and the variance rule are

@@ -11,19 +11,19 @@ import warnings
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util_v2
 
-from tf1_syncbn._core import keras2 as _keras2
-from tf1_syncbn._core.axes import adjustment_in_view, from_view, needs_view, plan_view, to_view
-from tf1_syncbn._core.call import batch_norm
-from tf1_syncbn._core.keras2 import ghost_batches_in_training
-from tf1_syncbn.keras.rules import (check_keras_graph, in_keras_model_build, is_model_graph_call,
-                                    keras_channel_axes, training_value)
-from tf1_syncbn._core.options import check_inputs, check_options
-from tf1_syncbn._core.variables import Params, RenormVariables
+from tf1_syncbn._frontend.building import (Params, RenormVariables, adjustment_in_view,
+                                           batch_norm, check_inputs, check_options, from_view,
+                                           ghost_batches_in_training, keras2_package, needs_view,
+                                           plan_view, to_view)
+from tf1_syncbn.keras.rules import (ARG_NAMES, check_keras_graph, in_keras_model_build,
+                                    is_model_graph_call, keras_channel_axes,
+                                    statistics_aggregation, sync_config, training_value,
+                                    v1_axis_and_fused)
 
 #: The Keras 2 package whose layers this module subclasses: ``tf_keras``, or
 #: ``keras`` where ``tf.keras`` is Keras 2.15 (TensorFlow 2.15 without
-#: ``TF_USE_LEGACY_KERAS``); see :mod:`tf1_syncbn._core.keras2`.
-KERAS_PACKAGE = _keras2.package()
+#: ``TF_USE_LEGACY_KERAS``); see :mod:`tf1_syncbn._frontend.keras2`.
+KERAS_PACKAGE = keras2_package()
 try:
     importlib.import_module(KERAS_PACKAGE)
     _keras_layer_utils = importlib.import_module(KERAS_PACKAGE + '.src.engine.base_layer_utils')
@@ -85,6 +85,22 @@ class _Synchronized(object):
     def _layer_label(self):
         return '%s(%s)' % (type(self).__name__, self.name)
 
+    def add_weight(self, *args, **kwargs):
+        """tf-keras' ``add_weight``; with sync groups, the moving statistics read replica 0's copy.
+
+        Under a ``tf.distribute`` strategy, a layer with ``group_size`` (and
+        ``sync_statistics`` not None) creates its moving statistics with
+        ``ONLY_FIRST_REPLICA`` aggregation instead of tf-keras' ``MEAN``, so
+        that reading them, a ``Saver`` and ``save_weights`` give global tower
+        0's group's statistics, not the mean of the groups'
+        (:func:`~tf1_syncbn.keras.rules.statistics_aggregation`).
+        """
+        if 'aggregation' in kwargs:
+            kwargs['aggregation'] = statistics_aggregation(
+                kwargs['aggregation'], kwargs.get('synchronization'),
+                getattr(self, 'group_size', None), getattr(self, 'sync_statistics', 'auto'))
+        return super().add_weight(*args, **kwargs)
+
     @tf.autograph.experimental.do_not_convert
     def call(self, inputs, training=None, mask=None):
         """Normalizes ``inputs`` with tf-keras' rules and the core's synchronized statistics.
@@ -115,14 +131,14 @@ class _Synchronized(object):
         weights = self._mask_weights(layer, mask, rank)
         one_device = is_model_graph_call(self._called_on(inputs)) or in_keras_model_build()
         # Axes other than one channel axis 1 or last: the core normalizes a view
-        # of the input in which they are one channel axis (tf1_syncbn._core.axes).
+        # of the input in which they are one channel axis (tf1_syncbn._frontend.axes).
         view, source, adjustment = None, x, self.adjustment
         if needs_view(rank, axes):
             view = plan_view(rank, axes, x.shape.as_list(), keep_batch=vbs is not None)
             x, adjustment = to_view(x, view), adjustment_in_view(adjustment, x, view)
         renorm = bool(self.renorm)
         options = check_options(
-            layer, arg_names={'is_training': 'training'},
+            layer, arg_names=ARG_NAMES,
             axis=view.axis if view is not None else axes[0], is_training=training,
             momentum=self.momentum, epsilon=self.epsilon, center=self.center, scale=self.scale,
             fused=False if self._fused_argument is False or weights is not None else None,
@@ -194,19 +210,10 @@ class _Synchronized(object):
             renorm = RenormVariables(self.renorm_mean, self.renorm_stddev, self.moving_stddev)
         return Params(self.beta, self.gamma, self.moving_mean, self.moving_variance, renorm)
 
-    def _sync_config(self, config):
-        """tf-keras' config, plus this layer's arguments where they are not the defaults."""
-        for name in ('num_dev', 'group_size'):
-            if getattr(self, name) is not None:
-                config[name] = getattr(self, name)
-        spec = self.sync_statistics
-        if spec is None or (isinstance(spec, str) and spec != 'auto'):
-            config['sync_statistics'] = spec
-        elif not isinstance(spec, str):
-            warnings.warn('%s: sync_statistics=%r is an object and cannot be serialized; it is '
-                          "left out of the config (a layer made from it uses 'auto')."
-                          % (self._layer_label(), spec))
-        return config
+    def get_config(self):
+        """tf-keras' config, plus :func:`~tf1_syncbn.keras.rules.sync_config`'s arguments."""
+        return sync_config(super().get_config(), self._layer_label(), self.sync_statistics,
+                           self.num_dev, self.group_size)
 
 
 class BatchNormalization(_Synchronized, KERAS_BATCH_NORMALIZATION):
@@ -244,7 +251,7 @@ class BatchNormalization(_Synchronized, KERAS_BATCH_NORMALIZATION):
       tensor (``keras.Input(tensor=x)``) is that tower's;
     * **axes**: every form tf-keras takes (a middle axis, several axes, with
       ``virtual_batch_size``) but the batch axis 0, through a view of the
-      input (:mod:`tf1_syncbn._core.axes`).
+      input (:mod:`tf1_syncbn._frontend.axes`).
 
     The arguments from ``axis`` to ``gamma_constraint`` are tf-keras' own, with
     its defaults.
@@ -259,7 +266,13 @@ class BatchNormalization(_Synchronized, KERAS_BATCH_NORMALIZATION):
         behaviour) or a :class:`tf1_syncbn.SyncBackend`.
       num_dev: the number of towers, for towers built as ``tower_<i>`` /
         ``clone_<i>`` name scopes without a tower context.
-      group_size: sync groups, as for :func:`tf1_syncbn.sync_batch_norm`.
+      group_size: sync groups, as for :func:`tf1_syncbn.sync_batch_norm`. Under
+        a ``tf.distribute`` strategy the moving statistics then follow
+        replica 0's group: they are tf-keras' on-read variables with
+        ``ONLY_FIRST_REPLICA`` instead of ``MEAN`` aggregation (a read, a
+        ``Saver``, ``save_weights`` and ``get_weights`` take replica 0's copy,
+        a restore sets every copy; until then each replica's copy holds its
+        own group's statistics).
       **kwargs: tf-keras' others: ``renorm``, ``renorm_clipping``,
         ``renorm_momentum``, ``fused``, ``trainable``, ``virtual_batch_size``,
         ``adjustment``, ``name``, ``dtype`` (a mixed-precision policy
@@ -287,9 +300,6 @@ class BatchNormalization(_Synchronized, KERAS_BATCH_NORMALIZATION):
             synchronized=synchronized, **kwargs)
         self._init_sync(sync_statistics, num_dev, axis, kwargs.get('fused'), group_size)
 
-    def get_config(self):
-        return self._sync_config(super().get_config())
-
 
 class BatchNormalizationV1(_Synchronized, KERAS_BATCH_NORMALIZATION_V1):
     """tf-keras' v1 ``BatchNormalization``, synchronized (see :class:`BatchNormalization`).
@@ -309,11 +319,8 @@ class BatchNormalizationV1(_Synchronized, KERAS_BATCH_NORMALIZATION_V1):
 
     def __init__(self, *args, sync_statistics='auto', num_dev=None, group_size=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self._init_sync(sync_statistics, num_dev, args[0] if args else kwargs.get('axis', -1),
-                        args[16] if len(args) > 16 else kwargs.get('fused'), group_size)
-
-    def get_config(self):
-        return self._sync_config(super().get_config())
+        axis, fused = v1_axis_and_fused(args, kwargs)
+        self._init_sync(sync_statistics, num_dev, axis, fused, group_size)
 
 
 # tf-keras' v1 class is named BatchNormalization too: Keras derives the default

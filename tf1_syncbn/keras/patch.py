@@ -30,9 +30,8 @@ import warnings
 
 import tensorflow as tf
 
-from tf1_syncbn._core import keras2 as _keras2
-from tf1_syncbn._core.patching import Name, Patch, failures, getattr_path
-from tf1_syncbn._core.modules import loaded_modules, namespace
+from tf1_syncbn._frontend.patching import (Name, Patch, failures, getattr_path, keras_versions,
+                                           loaded_modules, namespace, tf_keras_is_keras3)
 from tf1_syncbn.errors import SyncBNWarning
 from tf1_syncbn.keras.layer import (KERAS_BATCH_NORMALIZATION, KERAS_BATCH_NORMALIZATION_V1,
                                     KERAS_PACKAGE, BatchNormalization, BatchNormalizationV1,
@@ -74,7 +73,7 @@ class ClassPatch(Patch):
       serialization_module: the name of the module whose ``LOCAL`` caches the
         Keras package's layer classes per thread
         (``'tf_keras.src.layers.serialization'``).
-      names: the :class:`~tf1_syncbn._core.patching.Name` objects that
+      names: the :class:`~tf1_syncbn._frontend.patching.Name` objects that
         :meth:`verify` checks once the classes are replaced.
       instead: what to do where the patch cannot take effect.
     """
@@ -181,7 +180,7 @@ def patch_keras(sync_statistics='auto', num_dev=None, group_size=None):
 def _warn_about_other_keras():
     """Says which Keras the patch leaves alone: Keras 3 as tf.keras, or tf-keras beside
     TensorFlow 2.15's Keras 2.15 (a layer of one Keras cannot go into a model of the other)."""
-    if _keras2.tf_keras_is_keras3():
+    if tf_keras_is_keras3():
         left, name = 'tf.keras is Keras 3, which does not build TF1 graphs', 'tf.keras'
     elif KERAS_PACKAGE != 'tf_keras' and 'tf_keras' in sys.modules:
         left, name = 'tf_keras is imported beside %s, which tf.keras is' % KERAS_PACKAGE, \
@@ -192,11 +191,11 @@ def _warn_about_other_keras():
         'patch_keras: %s (%s). The patch switches %s\'s BatchNormalization only: models built '
         'with %s.layers keep its own layer, with per-tower statistics. To switch tf-keras, set '
         'TF_USE_LEGACY_KERAS=1 before TensorFlow is imported (tf.keras is then tf-keras).'
-        % (left, _keras2.versions(), KERAS_PACKAGE, name), SyncBNWarning, stacklevel=3)
+        % (left, keras_versions(), KERAS_PACKAGE, name), SyncBNWarning, stacklevel=3)
 
 
 def _user_names(v2, v1):
-    """The names existing Keras code reaches Keras 2's layer by (see ``_core.patching``).
+    """The names existing Keras code reaches Keras 2's layer by (see ``_frontend.patching``).
 
     ``tf.keras`` and ``tf.compat.v1.keras`` only where they are this Keras 2 package.
     """
@@ -216,7 +215,7 @@ def _user_names(v2, v1):
              getattr_path(module, 'BatchNormalization'), lambda c: c is v2),
         Name('the layers of %s.applications (VersionAwareLayers)' % KERAS_PACKAGE,
              getattr_path(applications, 'BatchNormalization'), lambda c: c is v2 or c is v1)]
-    if not _keras2.tf_keras_is_keras3():
+    if not tf_keras_is_keras3():
         names += [
             Name('tf.keras.layers.BatchNormalization',
                  getattr_path(lambda: tf, 'keras.layers.BatchNormalization'), lambda c: c is v2),

@@ -2,20 +2,69 @@
 
 What tf-keras' ``BatchNormalizationBase.call`` decides before it computes
 anything, in small pure functions: which value ``training`` has, which axes
-hold the channels, whether the call builds the model's own one-device graph.
+hold the channels, whether the call builds the model's own one-device graph;
+and how its ``build`` aggregates the moving statistics under a
+``tf.distribute`` strategy when the layer has sync groups.
 (Whether the batch is split into ghost batches is tf.layers' rule, the same
-code: :func:`tf1_syncbn._core.keras2.ghost_batches_in_training`.) Nothing here imports
+code: :func:`tf1_syncbn._frontend.keras2.ghost_batches_in_training`.) Nothing here imports
 tf-keras: the layer passes in what it read from tf-keras.
+
+And the layer's arguments in tf-keras' words, in one place: its names for the
+core's options (:data:`ARG_NAMES`), where tf-keras' v1 constructor takes
+``axis`` and ``fused`` by position (:func:`v1_axis_and_fused`), and the
+arguments this library adds in the layer's config (:func:`sync_config`).
 """
 
 import inspect
 import os
+import warnings
 
 import tensorflow as tf
 
-__all__ = ['training_value', 'keras_channel_axes', 'is_model_graph_call', 'check_keras_graph']
+__all__ = ['ARG_NAMES', 'v1_axis_and_fused', 'sync_config', 'training_value',
+           'keras_channel_axes', 'is_model_graph_call', 'check_keras_graph',
+           'statistics_aggregation']
 
 tf1 = tf.compat.v1
+
+#: The core's option -> tf-keras' argument, where they differ.
+ARG_NAMES = {'is_training': 'training'}
+
+
+def v1_axis_and_fused(args, kwargs):
+    """``(axis, fused)`` as tf-keras' v1 ``BatchNormalization`` received them.
+
+    By keyword, or by position: ``BatchNormalizationBase``'s ``axis`` is its
+    first argument and ``fused`` its seventeenth.
+    """
+    return (args[0] if args else kwargs.get('axis', -1),
+            args[16] if len(args) > 16 else kwargs.get('fused'))
+
+
+def sync_config(config, layer, sync_statistics, num_dev, group_size):
+    """tf-keras' ``config``, plus this library's arguments where they are not the defaults.
+
+    Args:
+      config: what tf-keras' ``get_config`` returned (completed in place).
+      layer: the layer's name for the warning.
+      sync_statistics, num_dev, group_size: the layer's arguments.
+
+    Returns:
+      ``config``. A ``sync_statistics`` backend object cannot be serialized:
+      it is left out, with a warning (a layer made from the config uses
+      ``'auto'``).
+    """
+    for name, value in (('num_dev', num_dev), ('group_size', group_size)):
+        if value is not None:
+            config[name] = value
+    if sync_statistics is None or (isinstance(sync_statistics, str) and
+                                   sync_statistics != 'auto'):
+        config['sync_statistics'] = sync_statistics
+    elif not isinstance(sync_statistics, str):
+        warnings.warn('%s: sync_statistics=%r is an object and cannot be serialized; it is '
+                      "left out of the config (a layer made from it uses 'auto')."
+                      % (layer, sync_statistics))
+    return config
 
 
 def training_value(training):
@@ -54,7 +103,7 @@ def keras_channel_axes(layer, axes, axis_argument, virtual_batch_size):
 
     Returns:
       A list of ints in ``[1, rank)``: one channel axis 1 or last goes to the
-      core as it is, any other form through a view (:mod:`tf1_syncbn._core.axes`).
+      core as it is, any other form through a view (:mod:`tf1_syncbn._frontend.axes`).
 
     Raises:
       ValueError: for the batch axis 0, which normalizes every example by
@@ -194,3 +243,39 @@ def check_keras_graph(layer):
             'tf.compat.v1.disable_eager_execution(); in TF2 code use '
             'tf.keras.layers.BatchNormalization(synchronized=True) under a tf.distribute '
             'strategy.' % layer)
+
+
+def statistics_aggregation(aggregation, synchronization, group_size, sync_statistics):
+    """The aggregation of a weight tf-keras' ``build`` adds: its own, but replica 0's with groups.
+
+    tf-keras creates the moving statistics (``moving_mean``,
+    ``moving_variance``; with renorm ``moving_stddev``, ``renorm_mean``,
+    ``renorm_stddev``) as on-read variables (``ON_READ``) with ``MEAN``
+    aggregation: under a ``tf.distribute`` strategy each replica updates its
+    own copy, and reading the variable across replicas, a ``Saver``,
+    ``save_weights`` and ``get_weights`` take the mean of the copies; a
+    restore sets every copy. Without sync groups every replica updates its
+    copy with the same statistics (the global batch's, or tf-keras' own
+    per-replica ones with ``sync_statistics=None``), and that stays as it is.
+    With ``group_size`` each replica's copy follows its own group, and the
+    mean of the groups is no group's statistics: such a layer's moving
+    statistics get ``ONLY_FIRST_REPLICA`` instead, which reads replica 0's
+    copy, so what is read and saved is global tower 0's group's
+    (docs/sync-groups.md). Outside a strategy the aggregation changes
+    nothing; the names, checkpoint keys and values are tf-keras'.
+
+    Args:
+      aggregation: what tf-keras passes to ``add_weight``.
+      synchronization: likewise.
+      group_size: the layer's ``group_size`` (None: no groups).
+      sync_statistics: the layer's ``sync_statistics`` (None: per-replica
+        statistics, where ``group_size`` has no effect).
+
+    Returns:
+      A ``tf.VariableAggregation``.
+    """
+    if group_size is None or sync_statistics is None or \
+            synchronization != tf.VariableSynchronization.ON_READ or \
+            aggregation != tf.VariableAggregation.MEAN:
+        return aggregation
+    return tf.VariableAggregation.ONLY_FIRST_REPLICA

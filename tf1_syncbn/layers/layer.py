@@ -2,16 +2,15 @@
 
 import tensorflow as tf
 
-from tf1_syncbn._core.axes import (adjustment_in_view, from_view, needs_view, parameter_shape,
-                                   plan_view, to_view)
-from tf1_syncbn._core.call import batch_norm
-from tf1_syncbn._core.keras2 import ghost_batches_in_training
-from tf1_syncbn._core.options import check_graph_mode, check_inputs, check_options
-from tf1_syncbn.layers.rules import (BASE_NAME, DTYPES, channel_axes, check_axis_type,
+from tf1_syncbn._frontend.building import (STATISTICS_AGGREGATION, Params, RenormVariables,
+                                           adjustment_in_view, batch_norm, check_graph_mode,
+                                           check_inputs, check_options, from_view,
+                                           ghost_batches_in_training, needs_view,
+                                           parameter_shape, plan_view, received_variables,
+                                           to_view)
+from tf1_syncbn.layers.rules import (ARG_NAMES, BASE_NAME, DTYPES, channel_axes, check_axis_type,
                                      check_callable, check_rank_of_reuse,
                                      tf_layers_runs_fused_kernel, training_value, unique_layer_name)
-from tf1_syncbn._core.variables import (STATISTICS_AGGREGATION, Params, RenormVariables,
-                                        received_variables)
 
 __all__ = ['BatchNormalization', 'batch_normalization']
 
@@ -46,7 +45,7 @@ class BatchNormalization(object):
         the end). One axis without ``virtual_batch_size`` has variables of
         shape ``[C]``; several axes (or a virtual batch) have variables of
         the input's shape with 1 in every other axis (see
-        :mod:`tf1_syncbn._core.axes` for how they are computed).
+        :mod:`tf1_syncbn._frontend.axes` for how they are computed).
       momentum: decay of the moving averages (a number or a float scalar tensor).
       epsilon: added to the variance.
       center, scale: learn ``beta`` / ``gamma``.
@@ -74,7 +73,7 @@ class BatchNormalization(object):
         ``training``, tf.layers normalizes the whole batch at once in TF2
         behaviour, and ghost batches in TF1 behaviour
         (``disable_v2_behavior()``), and so does this layer (see
-        :func:`tf1_syncbn._core.keras2.ghost_batches_in_training`). Not
+        :func:`tf1_syncbn._frontend.keras2.ghost_batches_in_training`). Not
         with ``renorm``, ``adjustment`` or ``fused=True``.
       adjustment: a function from the input's dynamic shape to ``(scale,
         bias)``, applied to the normalized values in training.
@@ -274,7 +273,7 @@ class BatchNormalization(object):
         vbs = self.virtual_batch_size
         axes = channel_axes(layer, self._axis_argument, rank, vbs)
         # Axes other than one channel axis 1 or last: the core normalizes a view
-        # of the input in which they are one channel axis (tf1_syncbn._core.axes).
+        # of the input in which they are one channel axis (tf1_syncbn._frontend.axes).
         view = self._view(layer, x, axes) if axes and needs_view(rank, axes) else None
         inputs = x
         adjustment = self.adjustment
@@ -282,7 +281,7 @@ class BatchNormalization(object):
             x, adjustment = to_view(x, view), adjustment_in_view(adjustment, x, view)
         ghost = vbs if ghost_batches_in_training(training) else None
         options = check_options(
-            layer, arg_names={'is_training': 'training'},
+            layer, arg_names=ARG_NAMES,
             axis=view.axis if view is not None else (axes[0] if axes else None),
             is_training=training, momentum=self.momentum, epsilon=self.epsilon,
             center=self.center, scale=self.scale, fused=self._fused_hint, renorm=self.renorm,
@@ -319,7 +318,7 @@ class BatchNormalization(object):
         return tf.cast(outputs, dtype) if outputs.dtype != dtype else outputs
 
     def _view(self, layer, x, axes):
-        """The view for ``axes`` (:func:`~tf1_syncbn._core.axes.plan_view`); sizes must be known.
+        """The view for ``axes`` (:func:`~tf1_syncbn._frontend.axes.plan_view`); known sizes.
 
         With ``virtual_batch_size`` the view keeps the batch alone on its axis 0
         (whether or not this call splits it into ghost batches, so that every

@@ -30,7 +30,7 @@ The one place that knows how TensorFlow hands out ``tf.compat.v1.layers``:
 
 Once applied, the patch looks the names up as a script does and raises
 :class:`tf1_syncbn.PatchError` (after undoing itself) where one is not this
-library's (:mod:`tf1_syncbn._core.patching`).
+library's (:mod:`tf1_syncbn._frontend.patching`).
 
 Keras' and TensorFlow's own modules (``tf_keras.src``, ``keras.src``,
 ``tensorflow.python``) keep Keras' layer, so ``slim.batch_norm``, which
@@ -43,9 +43,8 @@ import importlib.abc
 import sys
 import types
 
+from tf1_syncbn._frontend.patching import Name, Patch, getattr_path, loaded_modules, namespace
 from tf1_syncbn.layers import layer as layers
-from tf1_syncbn._core.modules import loaded_modules, namespace
-from tf1_syncbn._core.patching import Name, Patch, getattr_path
 
 __all__ = ['patch_tf_layers']
 
@@ -173,6 +172,11 @@ class _TfLayersPatch(Patch):
                 original = vars(keras).get(alias)
                 if original is not None:
                     originals[id(original)] = self._replacements[name]
+        # A yielding patch that stepped aside for this one (python -m tf1_syncbn.run's): the
+        # names a module imported while it was active are its objects.
+        for waiting in self._waiting_patches:
+            for name, replacement in waiting._replacements.items():  # noqa: SLF001 - same kind
+                originals[id(replacement)] = self._replacements[name]
         loaders = {}
         for name, space in loaded_modules():
             internal = name.startswith(_INTERNAL)

@@ -1,7 +1,8 @@
 """tf.layers' rules for batch normalization, as :mod:`tf1_syncbn.layers` translates them.
 
 What tf-keras' legacy ``BatchNormalization`` (``tf.compat.v1.layers``) decides
-from its arguments before it computes anything: which axis holds the channels,
+from its arguments before it computes anything: its names for the core's
+options (:data:`ARG_NAMES`), which axis holds the channels,
 whether it runs TensorFlow's fused kernel, how it names unnamed layers, which
 initializers, regularizers and constraints it accepts. Errors name the layer
 (with its scope) and the argument as the user spelled it.
@@ -12,15 +13,16 @@ import numbers
 import numpy as np
 import tensorflow as tf
 
-from tf1_syncbn._core.options import replaced_layer_is_fused
-from tower.graph_state import get_graph_state
+from tf1_syncbn._frontend.building import graph_cache, replaced_layer_is_fused
 
-__all__ = ['BASE_NAME', 'DTYPES', 'tf_layers_runs_fused_kernel', 'unique_layer_name',
+__all__ = ['ARG_NAMES', 'BASE_NAME', 'DTYPES', 'tf_layers_runs_fused_kernel', 'unique_layer_name',
            'check_axis_type', 'check_callable', 'channel_axes',
            'training_value', 'check_rank_of_reuse']
 
 tf1 = tf.compat.v1
 
+#: The core's option -> tf.layers' argument, where they differ.
+ARG_NAMES = {'is_training': 'training'}
 #: The variable scope (and name) of unnamed layers: ``batch_normalization``, ``_1``, ...
 BASE_NAME = 'batch_normalization'
 #: The input types the layer takes (and its ``dtype`` argument).
@@ -59,7 +61,7 @@ def tf_layers_runs_fused_kernel(fused, rank, axes, renorm, virtual_batch_size, a
 
 def unique_layer_name(graph):
     """``batch_normalization_<n>``, numbered per graph from 1, as Keras names unnamed layers."""
-    counter = get_graph_state(graph).slot('tf1_syncbn.layers.names', lambda: [0])
+    counter = graph_cache(graph).slot('tf1_syncbn.layers.names', lambda: [0])
     counter[0] += 1
     return '%s_%d' % (BASE_NAME, counter[0])
 

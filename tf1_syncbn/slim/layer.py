@@ -5,18 +5,16 @@ from tf_slim.layers import utils as slim_utils
 from tf_slim.ops import variables as slim_variables
 from tf_slim.ops.arg_scope import add_arg_scope
 
-from tf1_syncbn._core.call import batch_norm
-from tf1_syncbn._core.options import (check_dict_keys, check_graph_mode, check_inputs,
-                                      check_options, replaced_layer_is_fused)
-from tf1_syncbn._core.variables import (FINETUNE_COUNTERS, STATISTICS_AGGREGATION, Params,
-                                        RenormVariables, received_variables, zero_debias_variables)
+from tf1_syncbn._frontend.building import (FINETUNE_COUNTERS, STATISTICS_AGGREGATION, Params,
+                                           RenormVariables, batch_norm, check_dict_keys,
+                                           check_graph_mode, check_inputs, check_options,
+                                           received_variables, zero_debias_variables)
+from tf1_syncbn.slim.rules import (ARG_NAMES, PARAM_INITIALIZER_KEYS, PARAM_REGULARIZER_KEYS,
+                                   slim_runs_fused_kernel)
 
 __all__ = ['sync_batch_norm']
 
 tf1 = tf.compat.v1
-
-_PARAM_INITIALIZER_KEYS = ('beta', 'gamma', 'moving_mean', 'moving_variance')
-_PARAM_REGULARIZER_KEYS = ('beta', 'gamma')
 
 
 @add_arg_scope
@@ -185,14 +183,12 @@ def sync_batch_norm(inputs,
     """
     check_graph_mode('sync_batch_norm')
     initializers = check_dict_keys('sync_batch_norm', 'param_initializers', param_initializers,
-                                   _PARAM_INITIALIZER_KEYS)
+                                   PARAM_INITIALIZER_KEYS)
     regularizers = check_dict_keys('sync_batch_norm', 'param_regularizers', param_regularizers,
-                                   _PARAM_REGULARIZER_KEYS)
+                                   PARAM_REGULARIZER_KEYS)
     with tf1.variable_scope(scope, 'BatchNorm', [inputs], reuse=reuse) as sc:
         options = check_options(
-            'sync_batch_norm(%s)' % sc.name,
-            arg_names={'momentum': 'decay', 'renorm_momentum': 'renorm_decay',
-                       'zero_debias': 'zero_debias_moving_mean'},
+            'sync_batch_norm(%s)' % sc.name, arg_names=ARG_NAMES,
             data_format=data_format, is_training=is_training, momentum=decay, epsilon=epsilon,
             center=center, scale=scale, fused=fused, renorm=renorm,
             renorm_clipping=renorm_clipping, renorm_momentum=renorm_decay, adjustment=adjustment,
@@ -263,27 +259,3 @@ def _slim_variables(channels, options, initializers, regularizers, variables_col
             debias = zero_debias_variables(moving_mean, model_variables=debias_model_variables)
     return Params(beta, gamma, moving_mean, moving_var, renorm_vars, counter, debias)
 
-
-def slim_runs_fused_kernel(fused, rank, batch_weights, renorm, adjustment, zero_debias,
-                           updates_collections):
-    """Where ``slim.batch_norm`` (tf-slim 1.1) runs TensorFlow's fused kernel.
-
-    slim's rule (``tf_slim/layers/layers.py``): ``fused=None`` means True;
-    inputs of rank 2 or 4 without ``batch_weights``, ``renorm`` or
-    ``adjustment`` go to its fused function when ``zero_debias_moving_mean``,
-    rank 2 or an ``updates_collections`` other than ``UPDATE_OPS`` (compared by
-    identity, as slim does) ask for it; otherwise, without ``batch_weights``
-    and ``zero_debias_moving_mean`` and with the default collection, it runs
-    Keras' ``BatchNormalization``, which is fused on rank 4 and 5 (and not with
-    renorm or adjustment); everything else takes slim's ``tf.nn.moments``
-    path.
-
-    Returns:
-      ``(fused, keras_fused)``: whether the fused kernel runs (see
-      :func:`tf1_syncbn._core.options.replaced_layer_is_fused`), and whether it
-      runs inside Keras' layer, which computes ``1 - decay`` in float32.
-    """
-    keras_path = updates_collections is tf1.GraphKeys.UPDATE_OPS and not zero_debias
-    is_fused = replaced_layer_is_fused(fused, rank, (2, 4, 5) if keras_path else (2, 4),
-                                            (batch_weights, renorm, adjustment))
-    return is_fused, is_fused and keras_path and rank in (4, 5)

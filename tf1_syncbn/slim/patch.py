@@ -56,6 +56,13 @@ replicas in turns) keep the patch until the last of them exits, so no replica
 builds ``slim.batch_norm`` because another one left its block first. Another
 model built at the same time in another thread, outside any block, would see
 the patch too.
+
+:func:`patch_slim` is the process-wide switch, in the shape of
+:func:`tf1_syncbn.patch_tf_layers` (``python -m tf1_syncbn.run`` uses it):
+``slim.batch_norm`` becomes :func:`sync_batch_norm`, with the patch's
+``num_dev`` / ``sync_statistics`` / ``group_size`` as defaults, in every
+loaded module that holds it (copies made before the patch included), until
+``restore()``.
 """
 
 import contextlib
@@ -66,11 +73,12 @@ import sys
 
 from tf_slim.ops import arg_scope as slim_arg_scope
 
-from tf1_syncbn._core.patching import Name, Patch, getattr_path, verify
+from tf1_syncbn._frontend.patching import (Name, Patch, getattr_path, loaded_modules, namespace,
+                                           verify)
 from tf1_syncbn.slim.layer import sync_batch_norm
 
 __all__ = ['sync_arg_scope', 'convert_arg_scope', 'patch_slim_batch_norm',
-           'is_slim_batch_norm']
+           'is_slim_batch_norm', 'patch_slim']
 
 _SLIM_LAYERS_MODULE = 'tf_slim.layers.layers'
 
@@ -81,27 +89,25 @@ _SYNC_KEY = slim_arg_scope.arg_scope_func_key(sync_batch_norm)
 _SLIM_KEY = slim_arg_scope.arg_scope_func_key(_ORIGINAL_BATCH_NORM)
 
 
-def is_slim_batch_norm(fn):
-    """True when ``fn`` is tf-slim's ``batch_norm`` (under any of its module names)."""
+def _is(fn, function, key):
+    """Whether ``fn`` is ``function``, or what arg scopes key as it (``key``)."""
     if fn is None:
         return False
-    if fn is _ORIGINAL_BATCH_NORM:
+    if fn is function:
         return True
     try:
-        return slim_arg_scope.arg_scope_func_key(fn) == _SLIM_KEY
+        return slim_arg_scope.arg_scope_func_key(fn) == key
     except (TypeError, AttributeError):
         return False
+
+
+def is_slim_batch_norm(fn):
+    """True when ``fn`` is tf-slim's ``batch_norm`` (under any of its module names)."""
+    return _is(fn, _ORIGINAL_BATCH_NORM, _SLIM_KEY)
 
 
 def _is_sync_batch_norm(fn):
-    if fn is None:
-        return False
-    if fn is sync_batch_norm:
-        return True
-    try:
-        return slim_arg_scope.arg_scope_func_key(fn) == _SYNC_KEY
-    except (TypeError, AttributeError):
-        return False
+    return _is(fn, sync_batch_norm, _SYNC_KEY)
 
 
 def _check_scope(scope, what):
@@ -373,7 +379,7 @@ _INSTEAD = ('pass normalizer_fn=tf1_syncbn.sync_batch_norm in the model\'s arg s
 
 
 def _user_names(patched):
-    """How a slim model reaches batch norm inside the block (:mod:`tf1_syncbn._core.patching`).
+    """How a slim model reaches batch norm inside the block (:mod:`tf1_syncbn._frontend.patching`).
 
     ``slim.batch_norm``, ``slim.layers.batch_norm`` and the module attribute
     that ``tf_slim.nets`` call (``tf_slim.layers.layers.batch_norm``), with
@@ -400,3 +406,111 @@ def _user_names(patched):
                               lambda kwargs=kwargs: kwargs['normalizer_fn'],
                               lambda value: not is_slim_batch_norm(value)))
     return names
+
+
+# --------------------------------------------------------------------------- patch_slim
+
+#: Modules that keep slim's function (this library's own references to it).
+_OWN = 'tf1_syncbn'
+
+
+def _with_defaults(defaults):
+    """:func:`sync_batch_norm` with the patch's defaults, as ``slim.batch_norm``.
+
+    An argument wins over the arg scope of :func:`sync_batch_norm`, which
+    wins over the arg scope of slim's own ``batch_norm`` (one built before
+    the patch), which wins over the defaults. Its arg-scope key is
+    :func:`sync_batch_norm`'s: ``slim.arg_scope([slim.batch_norm], ...)``
+    then holds :func:`sync_batch_norm`'s arguments, and ``add_arg_scope``'s
+    check of ``arg_scope`` passes.
+    """
+    @functools.wraps(sync_batch_norm)
+    def batch_norm(inputs, *args, **kwargs):
+        current = slim_arg_scope.current_arg_scope()
+        ours = current.get(_SYNC_KEY, {})
+        for source in (current.get(_SLIM_KEY, {}), defaults):
+            for key, value in source.items():
+                if key not in kwargs and key not in ours:
+                    kwargs[key] = value
+        return sync_batch_norm(inputs, *args, **kwargs)
+
+    batch_norm._key_op = _SYNC_KEY  # noqa: SLF001 - tf-slim's arg-scope key, as add_arg_scope sets it
+    return batch_norm
+
+
+class _SlimSwitch(Patch):
+    """The handle :func:`patch_slim` returns: a context manager, or call :meth:`restore`."""
+
+    api = 'patch_slim'
+    target = 'tf_slim'
+    instead = _INSTEAD
+
+    def __init__(self, defaults):
+        super().__init__()
+        self.batch_norm = _with_defaults(defaults)
+
+    def _apply(self):
+        # slim's function, and that of a yielding patch that stepped aside for this one
+        # (python -m tf1_syncbn.run's), which modules imported while it was active.
+        theirs = {id(_ORIGINAL_BATCH_NORM)}
+        theirs.update(id(waiting.batch_norm) for waiting in self._waiting_patches)
+        for name, module in loaded_modules():
+            if name == _OWN or name.startswith(_OWN + '.'):
+                continue
+            space = namespace(module)
+            for attribute, value in list(space.items()):
+                if id(value) in theirs:
+                    self._set(module, attribute, self.batch_norm, direct=True)
+
+    def user_names(self):
+        def module(name):
+            return lambda: importlib.import_module(name)
+
+        def ours(value):
+            return value is self.batch_norm
+
+        return [Name(name.replace('tf_slim', 'slim', 1) + '.batch_norm',
+                     getattr_path(module(name), 'batch_norm'), ours)
+                for name in ('tf_slim', 'tf_slim.layers', _SLIM_LAYERS_MODULE)]
+
+
+def patch_slim(sync_statistics='auto', num_dev=None, group_size=None):
+    """Makes ``slim.batch_norm`` this library's :func:`sync_batch_norm`, process-wide.
+
+    After this call, ``slim.batch_norm``, ``slim.layers.batch_norm``,
+    ``tf_slim.layers.layers.batch_norm`` (what ``tf_slim.nets`` call) and the
+    names your loaded modules imported it as are :func:`sync_batch_norm` with
+    the given defaults: passed as ``normalizer_fn``, used as an ``arg_scope``
+    key (``slim.arg_scope([slim.batch_norm], decay=0.9)``) or called::
+
+        import tf1_syncbn
+        tf1_syncbn.patch_slim(num_dev=4)       # before the model is built
+        ...                                    # the script, unchanged
+
+    Variables keep slim's names, so checkpoints restore. Arg scopes that
+    :func:`sync_arg_scope` converts still use :func:`sync_batch_norm` with
+    their own arguments. The patch is process-wide (do not build another
+    model in another thread meanwhile); undo it with ``restore()`` or a
+    ``with`` block. ``python -m tf1_syncbn.run`` makes it for unchanged
+    scripts.
+
+    Args:
+      sync_statistics: the default ``sync_statistics`` (``'auto'``:
+        synchronize over the towers the layers are built in; None: per-tower
+        statistics, as slim's).
+      num_dev: the default ``num_dev`` (the number of towers of a script
+        whose towers are ``tower_<i>`` / ``clone_<i>`` name scopes).
+      group_size: the default ``group_size`` (docs/sync-groups.md).
+
+    Returns:
+      A handle with ``restore()``, usable as a context manager.
+
+    Raises:
+      RuntimeError: when a patch is already active.
+      tf1_syncbn.PatchError: when ``slim.batch_norm`` is not
+        :func:`sync_batch_norm` after the patch (the message names the
+        TensorFlow and Keras versions); pass
+        ``normalizer_fn=tf1_syncbn.sync_batch_norm`` instead.
+    """
+    return _SlimSwitch({'sync_statistics': sync_statistics, 'num_dev': num_dev,
+                        'group_size': group_size}).apply()

@@ -3,8 +3,9 @@
 * :func:`BatchNorm`, :func:`BatchRenorm`, :func:`start_finetuning`
   (:mod:`~tf1_syncbn.tensorpack.layer`): tensorpack's signatures, variable
   names and rules, plus ``sync_statistics``;
-* :mod:`~tf1_syncbn.tensorpack.api`: tensorpack's layer API for them
-  (``argscope``, ``LinearWrap``), without importing tensorpack;
+* :mod:`~tf1_syncbn.tensorpack.rules`: tensorpack's rules for them: where
+  their arguments come from (``argscope``, a patch's defaults, the old
+  names), the values they take, when its layer runs the fused kernel;
 * :func:`patch_tensorpack` (:mod:`~tf1_syncbn.tensorpack.patch`): code
   written for tensorpack's layers builds these, unedited.
 

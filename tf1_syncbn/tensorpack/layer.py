@@ -1,18 +1,19 @@
 """tensorpack-compatible ``BatchNorm`` and ``BatchRenorm`` on the shared engine."""
 
 import logging
-import numbers
 import types
 
 import tensorflow as tf
 
-from tf1_syncbn._core.call import batch_norm
-from tf1_syncbn._core.options import (check_graph_mode, check_inputs, check_options,
-                                      replaced_layer_is_fused)
-from tf1_syncbn._core.variables import (FINETUNE_COUNTERS, STATISTICS_AGGREGATION, Params,
-                                        RenormVariables, assignable, received_variables)
-from tf1_syncbn.tensorpack.api import tensorpack_layer
-from tower import get_current_tower_context
+from tf1_syncbn._frontend.building import (FINETUNE_COUNTERS, STATISTICS_AGGREGATION, Params,
+                                           RenormVariables, assignable, batch_norm,
+                                           check_graph_mode, check_inputs, check_options,
+                                           received_variables)
+from tf1_syncbn.tensorpack.rules import (DATA_FORMATS, DEFAULT_CENTER, DEFAULT_GAMMA_INITIALIZER,
+                                         DEFAULT_MOMENTUM, DEFAULT_SCALE, EMA_UPDATES,
+                                         batch_norm_arguments, batch_renorm_arguments,
+                                         check_format_and_training, reciprocal,
+                                         tensorpack_layer, tensorpack_runs_fused_kernel)
 
 __all__ = ['BatchNorm', 'BatchRenorm', 'start_finetuning']
 
@@ -20,69 +21,11 @@ tf1 = tf.compat.v1
 _LOG = logging.getLogger('tf1_syncbn')
 _WARNED = set()
 
-# tensorpack's old argument names -> the current ones.
-_LEGACY_NAMES = {
-    'use_bias': 'center',
-    'use_scale': 'scale',
-    'gamma_init': 'gamma_initializer',
-    'decay': 'momentum',
-    'use_local_stat': 'training',
-}
-_EMA_UPDATES = ('default', 'collection', 'internal', 'skip')
-_DATA_FORMATS = {'channels_last': 'NHWC', 'NHWC': 'NHWC', 'channels_first': 'NCHW',
-                 'NCHW': 'NCHW', 'NDHWC': 'NHWC', 'NCDHW': 'NCHW'}
-
 
 def _warn_once(message):
     if message not in _WARNED:
         _WARNED.add(message)
         _LOG.warning(message)
-
-
-def _apply_legacy_names(layer, kwargs, current):
-    """Maps tensorpack's old keyword names onto ``current`` (a dict of defaults).
-
-    Returns:
-      ``{current name: old name}`` for the options passed under an old name
-      (error messages name the argument as the user spelled it).
-    """
-    spelled = {}
-    for old, value in kwargs.items():
-        if old not in _LEGACY_NAMES:
-            raise TypeError('%s got an unexpected keyword argument %r.' % (layer, old))
-        new = _LEGACY_NAMES[old]
-        if new not in current:
-            raise TypeError('%s does not take %r.' % (layer, old))
-        if not _unset(current[new]):
-            raise TypeError('%s: pass either %r or its old name %r, not both.'
-                            % (layer, new, old))
-        current[new] = value
-        spelled[new] = old
-    return spelled
-
-
-class _Default(object):
-    """A keyword's default that the caller left out, so that an old name may still set it.
-
-    ``BatchNorm(momentum=...)`` and ``BatchNorm(decay=...)`` are one option:
-    passing both is an error, which needs to know whether ``momentum`` was
-    passed. Its repr is the default's, so signatures read as tensorpack's.
-    """
-
-    def __init__(self, text):
-        self._text = text
-
-    def __repr__(self):
-        return self._text
-
-
-def _unset(value):
-    return isinstance(value, _Default)
-
-
-_UNSET = _Default('<unset>')
-_MOMENTUM, _CENTER, _SCALE = _Default('0.9'), _Default('True'), _Default('True')
-_GAMMA_INITIALIZER = _Default('ones_initializer()')
 
 
 def _finetune_counter(finetune):
@@ -119,17 +62,6 @@ def start_finetuning(graph=None):
                         name='start_finetuning')
 
 
-def _check_format_and_training(layer, data_format, training):
-    """Validates ``data_format``; resolves ``training=None`` from the tower context."""
-    if data_format not in _DATA_FORMATS:
-        raise ValueError('%s: unknown data_format %r; use one of %s.'
-                         % (layer, data_format, sorted(_DATA_FORMATS)))
-    ctx = get_current_tower_context()
-    if training is None:
-        training = ctx.is_training if ctx is not None else True
-    return ctx, training
-
-
 def _add_model_variables(ctx, variables):
     """Moving statistics are model variables of the main training tower (as tensorpack).
 
@@ -154,37 +86,18 @@ def _get_variable(name, channels, initializer, trainable=True):
                                 aggregation=STATISTICS_AGGREGATION)
 
 
-def tensorpack_runs_fused_kernel(rank, dtype, virtual_batch_size):
-    """Where tensorpack 0.11's single-device ``BatchNorm`` runs the fused kernel.
-
-    tensorpack builds ``tf.layers.BatchNormalization(fused=(ndims == 4))``,
-    with ``fused=True`` forced for float16 inputs, and Keras fuses rank 4 and
-    5 only; a virtual batch takes tensorpack's own ``tf.nn.moments`` path. So:
-    rank 4 (and float16 rank 5) is fused, rank 2 (and 3, 5, which tensorpack
-    rejects, taken as its code would treat them) is not.
-
-    tensorpack's *synchronized* path tracks the biased ``E[x^2] - E[x]^2`` even
-    on rank 4; the layers here follow its single-device path instead, so that
-    N synchronized towers equal one device.
-
-    Returns:
-      See :func:`tf1_syncbn._core.options.replaced_layer_is_fused`.
-    """
-    hint = rank == 4 or dtype == tf.float16
-    return replaced_layer_is_fused(hint, rank, (4, 5), (virtual_batch_size,))
-
-
 def _holder(**variables):
     return types.SimpleNamespace(**{k: v for k, v in variables.items() if v is not None})
 
 
 @tensorpack_layer
 @tf.autograph.experimental.do_not_convert     # (see tf1_syncbn._core.call)
-def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_MOMENTUM, epsilon=1e-5,
-              center=_CENTER, scale=_SCALE, beta_initializer=None,
-              gamma_initializer=_GAMMA_INITIALIZER,
+def BatchNorm(name, inputs, axis=None, *, training=None, momentum=DEFAULT_MOMENTUM, epsilon=1e-5,
+              center=DEFAULT_CENTER, scale=DEFAULT_SCALE, beta_initializer=None,
+              gamma_initializer=DEFAULT_GAMMA_INITIALIZER,
               virtual_batch_size=None, data_format='channels_last', ema_update='default',
-              sync_statistics=None, finetune=None, group_size=None, **legacy_kwargs):
+              sync_statistics=None, finetune=None, group_size=None, num_dev=None,
+              **legacy_kwargs):
     """tensorpack's ``BatchNorm`` layer, with synchronized statistics on any device.
 
     Call it as tensorpack users do: ``BatchNorm('bn', x, sync_statistics='nccl')``.
@@ -255,7 +168,16 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_MOMENTUM, eps
         :func:`start_finetuning` (ChainerMN's fine-tune mode).
       group_size: None (synchronize every tower), or synchronize within groups
         of that many consecutive global towers, or explicit groups (lists of
-        global tower indices); as for :func:`tf1_syncbn.sync_batch_norm`.
+        global tower indices); as for :func:`tf1_syncbn.sync_batch_norm`. Needs
+        a ``sync_statistics`` other than None.
+      num_dev: the number of towers in this graph, for towers built under
+        name scopes ``tower_<i>`` / ``tower<i>`` / ``clone_<i>`` (or a pattern
+        registered with :func:`tower.register_tower_pattern`) without a tower
+        context: a plain ``for i: with tf.device(...), tf.name_scope('tower_%d'
+        % i):`` loop. Leave it out under tensorpack's trainers and
+        ``tower.TowerContext`` (they know the count); ``1`` where copies of
+        the layer on several devices are one tower on purpose (one model split
+        across devices).
       **legacy_kwargs: tensorpack's old names (``use_bias``, ``use_scale``,
         ``gamma_init``, ``decay``, ``use_local_stat``).
 
@@ -266,23 +188,13 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_MOMENTUM, eps
     """
     layer = 'BatchNorm(%r)' % (name,)
     check_graph_mode(layer)
-    values = {'momentum': momentum, 'center': center, 'scale': scale,
-              'gamma_initializer': gamma_initializer, 'training': _UNSET}
-    spelled = _apply_legacy_names(layer, legacy_kwargs, values)
-    spelled['is_training'] = spelled.pop('training', 'training')
-    if not _unset(values['training']):
-        if training is not None:
-            raise TypeError("%s: pass either 'training' or 'use_local_stat', not both." % layer)
-        training = values['training']
-    defaults = {'momentum': 0.9, 'center': True, 'scale': True,
-                'gamma_initializer': tf1.ones_initializer()}
-    for key, value in defaults.items():
-        if _unset(values[key]):
-            values[key] = value
-    if ema_update not in _EMA_UPDATES:
+    values, training, arg_names = batch_norm_arguments(
+        layer, legacy_kwargs, training, momentum=momentum, center=center, scale=scale,
+        gamma_initializer=gamma_initializer)
+    if ema_update not in EMA_UPDATES:
         raise ValueError('%s: ema_update must be one of %s, got %r.'
-                         % (layer, _EMA_UPDATES, ema_update))
-    ctx, training = _check_format_and_training(layer, data_format, training)
+                         % (layer, EMA_UPDATES, ema_update))
+    ctx, training = check_format_and_training(layer, data_format, training)
     if training is False and ctx is not None and ctx.is_training and \
             ctx.is_main_training_tower:
         _warn_once('BatchNorm layers use their moving mean/variance in a training tower '
@@ -291,10 +203,11 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_MOMENTUM, eps
 
     with tf1.variable_scope(name) as vs:
         options = check_options(
-            'BatchNorm(%s)' % vs.name, arg_names=spelled,
-            data_format=_DATA_FORMATS[data_format], axis=axis, is_training=training,
+            'BatchNorm(%s)' % vs.name, arg_names=arg_names,
+            data_format=DATA_FORMATS[data_format], axis=axis, is_training=training,
             momentum=values['momentum'], epsilon=epsilon, center=values['center'],
             scale=values['scale'], sync_statistics=sync_statistics, group_size=group_size,
+            num_dev=num_dev,
             virtual_batch_size=virtual_batch_size if training is not False else None)
         x, layout = check_inputs(options, inputs)
         fused = tensorpack_runs_fused_kernel(layout.rank, x.dtype.base_dtype,
@@ -325,15 +238,6 @@ def BatchNorm(name, inputs, axis=None, *, training=None, momentum=_MOMENTUM, eps
     return out
 
 
-def _reciprocal(rmax):
-    """``rmin = 1 / rmax`` as tensorpack sets it (None for an invalid rmax: its check fails)."""
-    if isinstance(rmax, (tf.Tensor, tf.Variable)):
-        return tf.math.reciprocal(tf.cast(rmax, tf.float32))
-    if isinstance(rmax, numbers.Real) and not isinstance(rmax, bool) and rmax > 0:
-        return 1.0 / rmax
-    return None
-
-
 def _attach_variables(tensor, **variables):
     try:
         tensor.variables = _holder(**variables)
@@ -345,7 +249,7 @@ def _attach_variables(tensor, **variables):
 @tf.autograph.experimental.do_not_convert     # (see tf1_syncbn._core.call)
 def BatchRenorm(name, x, rmax, dmax, *, momentum=0.9, epsilon=1e-5, center=True, scale=True,
                 gamma_initializer=None, data_format='channels_last', sync_statistics=None,
-                training=None, group_size=None, **legacy_kwargs):
+                training=None, group_size=None, num_dev=None, **legacy_kwargs):
     """tensorpack's ``BatchRenorm`` (Batch Renormalization, Ioffe 2017), synchronizable.
 
     It runs the renorm path of :func:`tf1_syncbn.sync_batch_norm`: ``r`` and
@@ -380,31 +284,26 @@ def BatchRenorm(name, x, rmax, dmax, *, momentum=0.9, epsilon=1e-5, center=True,
       sync_statistics: as for :func:`BatchNorm`.
       training: None follows the tower context (True outside one).
       group_size: as for :func:`BatchNorm`.
+      num_dev: as for :func:`BatchNorm` (name-scope towers without a tower context).
 
     Returns:
       A tensor named ``<name>/output`` with the shape of ``x``.
     """
     layer = 'BatchRenorm(%r)' % (name,)
     check_graph_mode(layer)
-    values = {'momentum': _UNSET, 'center': _UNSET, 'scale': _UNSET,
-              'gamma_initializer': _UNSET}
-    spelled = _apply_legacy_names(layer, legacy_kwargs, values)
-    explicit = {'momentum': momentum, 'center': center, 'scale': scale,
-                'gamma_initializer': gamma_initializer}
-    for key, value in explicit.items():
-        if _unset(values[key]):
-            values[key] = value
-    ctx, training = _check_format_and_training(layer, data_format, training)
+    values, arg_names = batch_renorm_arguments(
+        layer, legacy_kwargs, momentum=momentum, center=center, scale=scale,
+        gamma_initializer=gamma_initializer)
+    ctx, training = check_format_and_training(layer, data_format, training)
     with tf1.variable_scope(name) as vs:
         options = check_options(
-            'BatchRenorm(%s)' % vs.name,
-            arg_names=dict(spelled, is_training='training', rmax='rmax', dmax='dmax',
-                           rmin='1 / rmax'),
-            data_format=_DATA_FORMATS[data_format], is_training=training,
+            'BatchRenorm(%s)' % vs.name, arg_names=arg_names,
+            data_format=DATA_FORMATS[data_format], is_training=training,
             momentum=values['momentum'], epsilon=epsilon, center=values['center'],
             scale=values['scale'], renorm=True,
-            renorm_clipping={'rmin': _reciprocal(rmax), 'rmax': rmax, 'dmax': dmax},
-            renorm_momentum=0.99, sync_statistics=sync_statistics, group_size=group_size)
+            renorm_clipping={'rmin': reciprocal(rmax), 'rmax': rmax, 'dmax': dmax},
+            renorm_momentum=0.99, sync_statistics=sync_statistics, group_size=group_size,
+            num_dev=num_dev)
         x, layout = check_inputs(options, x)
         # tensorpack builds Keras' layer with fused=False.
         options = options.with_replaced_path(False)

@@ -7,9 +7,8 @@ tensorpack is imported only when :func:`patch_tensorpack` is called.
 import importlib
 import inspect
 
-from tf1_syncbn._core.modules import loaded_modules, namespace
-from tf1_syncbn._core.patching import Name, Patch, getattr_path
-from tf1_syncbn.tensorpack.api import _DEFAULTS, _LAYER_NAMES, _LAYERS, _LOCK
+from tf1_syncbn._frontend.patching import Name, Patch, getattr_path, loaded_modules, namespace
+from tf1_syncbn.tensorpack.rules import _DEFAULTS, _LAYER_NAMES, _LAYERS, _LOCK
 
 __all__ = ['patch_tensorpack']
 
@@ -29,8 +28,9 @@ class _TensorpackPatch(Patch):
         self._defaults = {name: dict(layer_defaults) for name in _LAYER_NAMES}
         self._keys = list(defaults)
         self._replaced = []                # [(module, attribute, original)]
-        # The layers register themselves when tf1_syncbn.tensorpack.layer is
-        # imported (importing tf1_syncbn does): no import of that module here.
+        # The layers register themselves (rules.tensorpack_layer) when
+        # tf1_syncbn.tensorpack.layer is imported (importing tf1_syncbn does):
+        # no import of that module here.
         self._ours = {name: _LAYERS[name] for name in _LAYER_NAMES}
 
     @property
@@ -133,8 +133,12 @@ def patch_tensorpack(sync_statistics=None, **defaults):
         patch is active: None (tensorpack's default, per-tower statistics),
         ``'auto'``, ``'collective'``, ``'nccl'``, ``'horovod'`` or a
         :class:`tf1_syncbn.SyncBackend`.
-      **defaults: other default keyword arguments of both layers (for example
-        ``epsilon=1e-5``).
+      **defaults: other default keyword arguments of both layers, for example
+        ``epsilon=1e-5``, ``num_dev=<towers>`` for towers built under
+        ``tower_<i>`` name scopes without a tower context (a plain ``tower_%d``
+        loop; tensorpack's trainers need none), or ``group_size=2`` (with a
+        ``sync_statistics`` other than None: the layers refuse ``group_size``
+        with None).
 
     Returns:
       A handle with ``restore()``, usable as a context manager.

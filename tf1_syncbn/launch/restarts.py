@@ -18,7 +18,13 @@ not the processes (those are :class:`tf1_syncbn.launch.Launcher`'s):
 * with these set, the chief's :class:`~tf1_syncbn.distributed.WorkerSession`
   prints a :func:`start_line` at every start (the step and checkpoint it
   resumed from), which the launcher logs for each restart
-  (:func:`parse_start_line`) and records in :attr:`Restart.resumed`.
+  (:func:`parse_start_line`) and records in :attr:`Restart.resumed`;
+* which worker caused a failed attempt (:func:`first_failure`): the one
+  that *ended* first, by the end time each worker's supervisor recorded
+  (:class:`WorkerExit`), not the one the launcher happened to notice first.
+  When one worker dies, its peers fail on their own within seconds (their
+  collectives abort); those are :func:`consequences`, named as such
+  (:meth:`WorkerExit.after`). Each :class:`Restart` records both.
 
 This module imports nothing (no TensorFlow, no other module of the package).
 """
@@ -28,14 +34,15 @@ import re
 import signal
 import time
 
-__all__ = ['RestartLoop', 'Restart', 'restart_env', 'restart_count', 'start_line',
-           'parse_start_line', 'exit_status', 'describe_exit', 'RESTART_COUNT_ENV',
-           'MAX_RESTARTS_ENV']
+__all__ = ['RestartLoop', 'Restart', 'WorkerExit', 'restart_env', 'restart_count',
+           'start_line', 'parse_start_line', 'exit_status', 'describe_exit', 'first_failure',
+           'consequences', 'shorten', 'RESTART_COUNT_ENV', 'MAX_RESTARTS_ENV']
 
 #: The attempt of this process: 0 at the first start, ``k`` at the ``k``-th restart.
 RESTART_COUNT_ENV = 'TF1_SYNCBN_RESTART_COUNT'
 #: The launcher's ``--max-restarts``.
 MAX_RESTARTS_ENV = 'TF1_SYNCBN_MAX_RESTARTS'
+#: The exit status of a job stopped by its timeout (``--timeout``), as ``timeout(1)``'s.
 EXIT_TIMEOUT = 124
 
 _START = re.compile(r'^tf1_syncbn: (?P<worker>.+?) (?:resumed|started) at step (?P<step>\d+)'
@@ -55,6 +62,106 @@ def describe_exit(code):
         except ValueError:
             return 'killed by signal %d' % -code
     return 'exited with status %d' % code
+
+
+def shorten(line, width=200):
+    """``line``, or its start and end joined by ``' ... '`` when it is longer than ``width``.
+
+    Each part is cut at a word boundary (a word longer than its part is the
+    only thing ever cut inside). A third of ``width`` goes to the start (an
+    error's type, which worker speaks), the rest to the end (an error's
+    details: ``not answering: worker 1 (localhost:1234)``).
+    """
+    if len(line) <= width:
+        return line
+    keep = max(width - 5, 2)
+    head, tail = line[:keep // 3], line[len(line) - (keep - keep // 3):]
+    if not line[len(head)].isspace() and any(c.isspace() for c in head[1:]):
+        head = head[:max(i for i, c in enumerate(head) if c.isspace())]
+    if not line[len(line) - len(tail) - 1].isspace() and any(c.isspace() for c in tail[:-1]):
+        tail = tail[min(i for i, c in enumerate(tail) if c.isspace()):]
+    return '%s ... %s' % (head.rstrip(), tail.lstrip())
+
+
+class WorkerExit(object):
+    """How and when one worker of an attempt ended.
+
+    Args and attributes:
+      worker: its task index.
+      code: its ``Popen.returncode`` (``-9`` for SIGKILL).
+      ended_at: the ``time.time()`` at which it ended: as its supervisor
+        recorded it (``exact``), else when the launcher noticed it.
+      exact: whether ``ended_at`` is the supervisor's record (it is unless
+        the supervisor itself was killed).
+      stopped: whether the launcher had signalled it to stop (a failure
+        elsewhere, ``--timeout``, a signal to the launcher) before it ended:
+        then it did not fail on its own.
+      last_line: its last line of output (None when it printed none, or
+        before the launcher has read it all).
+    """
+
+    def __init__(self, worker, code, ended_at, exact=True, stopped=False, last_line=None):
+        self.worker = worker
+        self.code = code
+        self.ended_at = ended_at
+        self.exact = exact
+        self.stopped = stopped
+        self.last_line = last_line
+
+    @property
+    def cause(self):
+        """``'killed by SIGKILL'``, ``'exited with status 1'``, ..."""
+        return describe_exit(self.code)
+
+    @property
+    def exit_status(self):
+        return exit_status(self.code)
+
+    @property
+    def failed(self):
+        """A non-zero status or a signal, not caused by the launcher's stop."""
+        return self.code != 0 and not self.stopped
+
+    def describe(self):
+        """``'worker 1 killed by SIGKILL'``."""
+        return 'worker %d %s' % (self.worker, self.cause)
+
+    def after(self, root):
+        """``'worker 0 exited with status 1, 0.84 s after worker 1 was killed by SIGKILL'``."""
+        return '%s, %.2f s after worker %d %s' % (
+            self.describe(), self.ended_at - root.ended_at, root.worker,
+            'was ' + root.cause if root.code < 0 else root.cause)
+
+    def to_dict(self, root=None):
+        """JSON-ready: ``worker``, ``cause``, ``exit_status``, ``ended_at``, ``last_line``, and
+        ``seconds_after`` the ``root`` cause when one is given."""
+        out = {'worker': self.worker, 'cause': self.cause, 'exit_status': self.exit_status,
+               'ended_at': self.ended_at, 'last_line': self.last_line}
+        if root is not None:
+            out['seconds_after'] = round(self.ended_at - root.ended_at, 3)
+        return out
+
+    def __repr__(self):
+        return 'WorkerExit(%d, %d, %.3f%s%s)' % (self.worker, self.code, self.ended_at,
+                                                 '' if self.exact else ', exact=False',
+                                                 ', stopped=True' if self.stopped else '')
+
+
+def first_failure(exits):
+    """The root cause of a failed attempt: of the workers that failed on their own, the one
+    that ended first (the lower task index on a tie); None when none failed.
+
+    Args:
+      exits: :class:`WorkerExit` records (None for a worker still running).
+    """
+    failures = [e for e in exits if e is not None and e.failed]
+    return min(failures, key=lambda e: (e.ended_at, e.worker)) if failures else None
+
+
+def consequences(exits, root):
+    """The other workers that failed on their own after ``root`` (in the order they ended)."""
+    return sorted((e for e in exits if e is not None and e.failed and e is not root),
+                  key=lambda e: (e.ended_at, e.worker))
 
 
 def restart_env(attempt, max_restarts):
@@ -104,15 +211,32 @@ class Restart(object):
       last_line: the worker's last line of output (None when it printed none).
       resumed: every :func:`parse_start_line` of the chief in the restarted
         attempt, in order (one per :class:`~tf1_syncbn.distributed.WorkerSession`).
+      ended_at: the ``time.time()`` at which that worker ended (None when
+        unknown).
+      consequences: the :class:`WorkerExit` of each other worker that then
+        failed on its own (in the order they ended), not stopped by the
+        launcher: typically peers whose collectives aborted.
     """
 
-    def __init__(self, number, worker, code, last_line=None):
+    def __init__(self, number, worker, code, last_line=None, ended_at=None, consequences=()):
         self.number = number
         self.worker = worker
         self.code = code
         self.cause = describe_exit(code)
         self.last_line = last_line
+        self.ended_at = ended_at
+        self.consequences = list(consequences)
         self.resumed = []
+
+    @classmethod
+    def of_attempt(cls, number, exits):
+        """The restart caused by an attempt that ended with ``exits`` (its
+        :func:`first_failure` and :func:`consequences`), or None when none failed."""
+        root = first_failure(exits)
+        if root is None:
+            return None
+        return cls(number, root.worker, root.code, root.last_line, root.ended_at,
+                   consequences(exits, root))
 
     @property
     def exit_status(self):
@@ -122,14 +246,24 @@ class Restart(object):
         """``'worker 1 killed by SIGKILL'``, with its last line after an exit status."""
         text = 'worker %d %s' % (self.worker, self.cause)
         if self.code > 0 and self.last_line:
-            text += ' (its last line: %r)' % self.last_line[-200:]
+            text += ' (its last line: %r)' % shorten(self.last_line)
         return text
 
     def to_dict(self):
-        """The record as JSON-ready values (the demo writes it into ``metrics.json``)."""
+        """The record as JSON-ready values (the demo writes it into ``metrics.json``).
+
+        ``restart``, ``worker``, ``cause``, ``exit_status``, ``last_line`` and
+        ``resumed`` describe the first worker to fail; ``ended_at`` is when it
+        ended, and ``consequences`` lists the workers that then failed on their
+        own (``worker``, ``cause``, ``exit_status``, ``ended_at``,
+        ``seconds_after`` it, ``last_line``).
+        """
+        root = None if self.ended_at is None else WorkerExit(self.worker, self.code,
+                                                             self.ended_at)
         return {'restart': self.number, 'worker': self.worker, 'cause': self.cause,
                 'exit_status': self.exit_status, 'last_line': self.last_line,
-                'resumed': list(self.resumed)}
+                'resumed': list(self.resumed), 'ended_at': self.ended_at,
+                'consequences': [c.to_dict(root) for c in self.consequences]}
 
 
 def _describe_start(start):
@@ -157,7 +291,9 @@ class RestartLoop(object):
       start_attempt: ``start_attempt(attempt, on_line)`` starts every worker of
         attempt ``attempt`` (0, 1, ...) and returns the started
         :class:`~tf1_syncbn.launch.Launcher`, which calls ``on_line(worker,
-        line)`` for each line a worker prints.
+        line)`` for each line a worker prints; once it has waited, its
+        ``exits`` (:class:`WorkerExit`, last lines included) say which worker
+        failed first.
       max_restarts: how many times every worker may be restarted (>= 0).
       timeout: seconds for the whole job, every attempt included; None waits.
 
@@ -220,12 +356,9 @@ class RestartLoop(object):
                 self.current.request_stop(self._stop_reason)
             left = None if deadline is None else max(0.0, deadline - time.time())
             status = self.current.wait(left)
-            failed = self.current.failed
-            if status == 0 or failed is None or self.current.stopped is not None:
+            final = Restart.of_attempt(attempt + 1, self.current.exits)
+            if status == 0 or final is None or self.current.stopped is not None:
                 return status
-            worker, code = failed
-            lines = self.current.lines[worker]
-            final = Restart(attempt + 1, worker, code, lines[-1] if lines else None)
             if attempt >= self.max_restarts:
                 if self.max_restarts:
                     self.error = exhausted_message(self.restarts, final, self.max_restarts)

@@ -29,7 +29,7 @@ import types
 
 import tensorflow as tf
 
-from tf1_syncbn._core.modules import namespace
+from tf1_syncbn._frontend.modules import namespace
 
 __all__ = ['package', 'tf_keras_is_keras3', 'versions', 'ghost_batches_in_training']
 

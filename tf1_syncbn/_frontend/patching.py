@@ -1,10 +1,19 @@
-"""The one base of the four patches, :class:`Patch`, and what each checks: the names users call.
+"""What a front-end switches the user's code with: the one base of the patches, :class:`Patch`.
+
+A front-end's ``patch.py`` imports everything it uses of the library from
+here (its second door, beside :mod:`tf1_syncbn._frontend.building`): the
+base and its check (below), the loaded modules' namespaces read without
+running their hooks (:func:`loaded_modules`, :func:`namespace`, from
+:mod:`tf1_syncbn._frontend.modules`) and which Keras 2 package code reaches
+(:func:`keras2_package`, :func:`tf_keras_is_keras3`, :func:`keras_versions`,
+from :mod:`tf1_syncbn._frontend.keras2`). So does ``python -m tf1_syncbn.run``
+(:func:`yielding`).
 
 :func:`tf1_syncbn.patch_tf_layers`, :func:`tf1_syncbn.patch_tensorpack`,
-:func:`tf1_syncbn.keras.patch_keras` and :func:`tf1_syncbn.sync_arg_scope`
-(:func:`~tf1_syncbn.slim.patch_slim_batch_norm`) replace another library's
-batch normalization wherever they can find it, each by a subclass of
-:class:`Patch`, which gives them the same life:
+:func:`tf1_syncbn.keras.patch_keras`, :func:`tf1_syncbn.patch_slim` and
+:func:`tf1_syncbn.sync_arg_scope` (:func:`~tf1_syncbn.slim.patch_slim_batch_norm`)
+replace another library's batch normalization wherever they can find it, each
+by a subclass of :class:`Patch`, which gives them the same life:
 
 * :meth:`Patch.apply` holds the kind's process lock, refuses a second active
   patch of an exclusive kind (``RuntimeError``), runs the subclass's
@@ -13,7 +22,14 @@ batch normalization wherever they can find it, each by a subclass of
   has its undo), undoes everything when ``_apply`` raises, and then verifies;
 * :meth:`Patch.restore` undoes, in reverse order, once (idempotent);
 * a patch is a context manager: ``with patch_tf_layers(): ...`` restores at
-  the end of the block.
+  the end of the block;
+* a patch made inside :func:`yielding` (``python -m tf1_syncbn.run``'s
+  switches) steps aside for a later patch of its kind: the later one applies
+  (a script's own ``patch_tf_layers(num_dev=4)`` under the runner), and the
+  yielding one applies again once that is restored. A yielding patch that
+  arrives while a patch of its kind is active, or is being applied by the
+  same thread (its ``_apply`` imported a module whose import makes the
+  yielding one), waits the same way.
 
 A TensorFlow or Keras release that hands the layer out some other way would
 leave the user's code on the original layer, training with per-tower
@@ -26,13 +42,18 @@ that is not the library's, the TensorFlow and Keras versions, and what to do
 instead. The patch undoes itself first.
 """
 
+import contextlib
 import threading
 
-from tf1_syncbn._core import keras2 as _keras2
-from tf1_syncbn._core.modules import namespace
+from tf1_syncbn._frontend.keras2 import package as keras2_package
+from tf1_syncbn._frontend.keras2 import tf_keras_is_keras3
+from tf1_syncbn._frontend.keras2 import versions as keras_versions
+from tf1_syncbn._frontend.modules import loaded_modules, namespace
 from tf1_syncbn.errors import PatchError
 
-__all__ = ['Patch', 'ABSENT', 'Name', 'failures', 'getattr_path', 'verify']
+__all__ = ['Patch', 'ABSENT', 'Name', 'failures', 'getattr_path', 'verify', 'yielding',
+           'loaded_modules', 'namespace', 'keras2_package', 'tf_keras_is_keras3',
+           'keras_versions']
 
 #: What a resolver returns for a name that this TensorFlow/Keras does not have
 #: at all (nothing to switch, nothing to check).
@@ -132,11 +153,28 @@ def verify(api, names, instead, undo=None):
     raise PatchError(
         '%s cannot take effect here (%s): %s. The patch is undone, so nothing is left '
         'half-switched. Instead, %s.'
-        % (api, _keras2.versions(),
+        % (api, keras_versions(),
            '; '.join('%s is still %s, not this library\'s layer' % f for f in found), instead))
 
 
 _MISSING = object()
+_YIELDING = threading.local()
+
+
+@contextlib.contextmanager
+def yielding():
+    """Patches created in the block step aside for later patches of their kind.
+
+    ``python -m tf1_syncbn.run`` makes its switches this way, so that a
+    script that calls a patch itself keeps working, with its own arguments,
+    while that patch is active (:class:`Patch`, :attr:`Patch.yields`).
+    """
+    previous = getattr(_YIELDING, 'on', False)
+    _YIELDING.on = True
+    try:
+        yield
+    finally:
+        _YIELDING.on = previous
 
 
 class Patch(object):
@@ -155,7 +193,11 @@ class Patch(object):
       instead: what to do where the patch cannot take effect, a sentence for
         :class:`~tf1_syncbn.errors.PatchError`.
       exclusive: one active patch of this kind at a time (a second one raises
-        ``RuntimeError``); False where patches nest (reference-counted).
+        ``RuntimeError``, unless the active one yields); False where patches
+        nest (reference-counted).
+      yields: made inside :func:`yielding`: an exclusive patch that steps
+        aside for a later patch of its kind (the later one applies; this one
+        applies again once that is restored), and waits while one is active.
     """
 
     api = None
@@ -164,20 +206,31 @@ class Patch(object):
     exclusive = True
     _lock = threading.Lock()
     _active_patches = []
+    _waiting_patches = []       # yielding patches stepped aside, the last one first back
+    _applying = None            # the thread that runs an _apply of this kind now
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         cls._lock = threading.Lock()
         cls._active_patches = []
+        cls._waiting_patches = []
+        cls._applying = None
 
     def __init__(self):
         self._undo = []          # callables, run in reverse by restore()
         self._active = False
+        self._waiting = False
+        self.yields = getattr(_YIELDING, 'on', False)
 
     @property
     def active(self):
-        """Whether the patch is applied and not restored."""
+        """Whether the patch is applied and not restored (False while it waits)."""
         return self._active
+
+    @property
+    def waiting(self):
+        """Whether the patch yields to another of its kind now (it applies once that ends)."""
+        return self._waiting
 
     def _apply(self):
         """Makes the changes (through :meth:`_set`, :meth:`_set_item`, :meth:`_on_undo`)."""
@@ -193,26 +246,77 @@ class Patch(object):
         Returns:
           self.
 
+        A yielding patch (:attr:`yields`) waits instead while a patch of its
+        kind that does not yield is active or being applied by this thread
+        (it applies once that is restored); an active yielding patch steps
+        aside for this one.
+
         Raises:
-          RuntimeError: when the kind is exclusive and a patch of it is active.
+          RuntimeError: when the kind is exclusive and a patch of it that does
+            not yield is active (or is being applied by this thread).
           tf1_syncbn.PatchError: see :meth:`verify` (the patch is undone).
           Whatever ``_apply`` raises, once everything it changed is undone.
         """
+        kind = type(self)
+        if self.exclusive and kind._applying == threading.get_ident():  # noqa: SLF001 - its kind
+            # This thread holds the lock, in another patch's _apply of this kind.
+            if not self.yields:
+                raise RuntimeError('%s: %s is being patched; restore that patch first.'
+                                   % (self.api, self.target))
+            self._wait()
+            return self
         with self._lock:
             if self.exclusive and self._active_patches:
-                raise RuntimeError('%s: %s is already patched; restore the active patch first.'
-                                   % (self.api, self.target))
-            self._active = True
-            try:
-                self._apply()
-            except BaseException:
-                self._undo_all()
-                raise
-            self._active_patches.append(self)
+                if not all(p.yields for p in self._active_patches):
+                    if self.yields:
+                        self._wait()
+                        return self
+                    raise RuntimeError('%s: %s is already patched; restore the active patch '
+                                       'first.' % (self.api, self.target))
+                for patch in list(self._active_patches):
+                    patch._step_aside()  # noqa: SLF001 - a patch of this kind
+            self._apply_locked()
         # Outside the lock: looking a name up can import a module whose import
         # hook the patch installed, and the hook takes the lock.
         self.verify()
         return self
+
+    def _apply_locked(self):
+        kind = type(self)
+        self._active = True
+        kind._applying = threading.get_ident()  # noqa: SLF001 - its own kind
+        try:
+            self._apply()
+        except BaseException:
+            self._undo_all()
+            raise
+        finally:
+            kind._applying = None  # noqa: SLF001 - its own kind
+        self._active_patches.append(self)
+
+    def _wait(self):
+        """Steps aside until the patches of the kind ahead of this one are restored."""
+        self._waiting = True
+        self._waiting_patches.append(self)
+
+    def _step_aside(self):
+        """Undoes this (yielding, active) patch, to apply it again later (the lock is held)."""
+        self._undo_all()
+        self._active_patches.remove(self)
+        self._wait()
+
+    def _resume(self):
+        """The last waiting patch applies again, when none is active (the lock is held).
+
+        Returns:
+          The patch that applied, or None.
+        """
+        if self._active_patches or not self._waiting_patches:
+            return None
+        patch = self._waiting_patches.pop()
+        patch._waiting = False  # noqa: SLF001 - a patch of this kind
+        patch._apply_locked()  # noqa: SLF001 - a patch of this kind
+        return patch
 
     def _on_undo(self, undo):
         """Remembers ``undo``, a callable that :meth:`restore` runs (in reverse order)."""
@@ -265,13 +369,24 @@ class Patch(object):
             self._undo.pop()()
 
     def restore(self):
-        """Undoes every change, in reverse order; idempotent."""
+        """Undoes every change, in reverse order; idempotent.
+
+        A yielding patch that stepped aside for this one applies again (and
+        is verified); a waiting patch stops waiting.
+        """
         with self._lock:
+            if self._waiting:
+                self._waiting = False
+                self._waiting_patches.remove(self)
+                return
             if not self._active:
                 return
             self._undo_all()
             if self in self._active_patches:
                 self._active_patches.remove(self)
+            resumed = self._resume() if self.exclusive else None
+        if resumed is not None:
+            resumed.verify()
 
     def verify(self, names=None):
         """Raises :class:`~tf1_syncbn.errors.PatchError` unless every name is the library's.

@@ -1,0 +1,7 @@
+"""Unchanged TF1 scripts of each classic multi-tower style, and how the runner's tests run them.
+
+The scripts (``layers_towers.py``, ``slim_clones.py``, ``tensorpack_trainer.py``,
+``keras_towers.py``, ``estimator_mirrored.py``, ``hand_moments.py``) know nothing of
+tf1_syncbn; :mod:`unchanged.harness` runs them under ``python -m tf1_syncbn.run``
+and under plain ``python`` (tests/run/).
+"""

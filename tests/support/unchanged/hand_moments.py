@@ -1,0 +1,58 @@
+"""A hand-written batch norm (``tf.nn.moments`` and moving averages of its own) in a
+``tower_%d`` loop, the last tower's ``UPDATE_OPS`` run with the train op: what no patch can
+switch. ``python -m tf1_syncbn.run --strict`` stops it before its first step
+(tests/run/test_run_scripts.py).
+
+Usage: ``python hand_moments.py TOWERS OUT.npz``.
+"""
+
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+import tf_behavior
+
+tf_behavior.apply()
+tf1 = tf.compat.v1
+TOWERS, OUT = int(sys.argv[1]), sys.argv[2]
+BATCH = 8
+RNG = np.random.RandomState(4)
+DATA = (RNG.randn(BATCH, 5) * 2 + 1).astype(np.float32)
+
+
+def batch_norm(x, decay=0.9):
+    with tf1.variable_scope('my_bn'):
+        mean, variance = tf.nn.moments(x, [0])
+        moving_mean = tf1.get_variable('moving_mean', x.shape[-1:], trainable=False,
+                                       initializer=tf1.zeros_initializer())
+        moving_variance = tf1.get_variable('moving_variance', x.shape[-1:], trainable=False,
+                                           initializer=tf1.ones_initializer())
+        tf1.add_to_collection(tf1.GraphKeys.UPDATE_OPS, tf1.assign_sub(
+            moving_mean, (1 - decay) * (moving_mean - mean)))
+        tf1.add_to_collection(tf1.GraphKeys.UPDATE_OPS, tf1.assign_sub(
+            moving_variance, (1 - decay) * (moving_variance - variance)))
+        return (x - mean) * tf.math.rsqrt(variance + 1e-3)
+
+
+images = tf1.placeholder(tf.float32, [BATCH, 5])
+opt = tf1.train.GradientDescentOptimizer(0.5)
+tower_grads = []
+with tf1.variable_scope(tf1.get_variable_scope()):
+    for i, x in enumerate(tf.split(images, TOWERS)):
+        with tf.device('/cpu:%d' % i), tf1.name_scope('tower_%d' % i) as scope:
+            w = tf1.get_variable('w', [5, 4], initializer=tf1.ones_initializer())
+            loss = tf.reduce_mean(tf.square(batch_norm(tf.matmul(x, w)) - 0.3))
+            tf1.get_variable_scope().reuse_variables()
+            updates = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, scope)
+            tower_grads.append(opt.compute_gradients(loss))
+grads = [(tf.add_n([g for g, _ in pairs]) / TOWERS, pairs[0][1]) for pairs in zip(*tower_grads)]
+with tf.control_dependencies(updates):
+    train_op = opt.apply_gradients(grads)
+
+config = tf1.ConfigProto(device_count={'CPU': TOWERS}, allow_soft_placement=True)
+with tf1.Session(config=config) as sess:
+    sess.run(tf1.global_variables_initializer())
+    sess.run(train_op, {images: DATA})
+    print('step 1 done', flush=True)
+    np.savez(OUT, **{v.op.name: sess.run(v) for v in tf1.global_variables()})
