@@ -599,7 +599,7 @@ class Moments(FrontEnd):
     family = 'moments'
     call = '`mean, variance = tf1_syncbn.moments(x, axes, keepdims=True)` in a hand-written layer'
     replaced = '`tf.nn.moments` in the same hand-written layer'
-    parameters = ('x', 'axes', 'keepdims', 'sync_statistics', 'num_dev')
+    parameters = ('x', 'axes', 'keepdims', 'training', 'sync_statistics', 'num_dev')
     not_sync_relevant = {
         'shift': ('tests/core/test_moments.py', "tf.nn.moments' unused argument"),
         'name': ('tests/core/test_moments.py', 'op names'),
@@ -612,8 +612,6 @@ class Moments(FrontEnd):
             return 'a hand-written layer has no %s' % {
                 'renorm': 'renorm', 'unfused': 'fused switch', 'ghost': 'ghost batches'}[
                     option.feature]
-        if option.training_tensor:
-            return '`moments` has no training argument (the hand-written layer chooses)'
         return None
 
     def kwargs(self, option, training):
@@ -636,8 +634,8 @@ class Moments(FrontEnd):
         kwargs = self.kwargs(option, training)
         sync = self.sync_kwargs(option, num_dev)
         with tf1.variable_scope('bn'):
-            return self._layer(x, lambda x: tf1_syncbn.moments(x, kwargs['axes'],
-                                                              keepdims=True, **sync))
+            return self._layer(x, lambda x: tf1_syncbn.moments(
+                x, kwargs['axes'], keepdims=True, training=training, **sync))
 
     def build_replaced(self, x, training, option, weights=None):
         kwargs = self.kwargs(option, training)
@@ -651,7 +649,8 @@ class WeightedMoments(Moments):
     call = '`tf1_syncbn.weighted_moments(x, axes, weights, keepdims=True)` in a hand-written ' \
         'layer'
     replaced = '`tf.nn.weighted_moments` in the same hand-written layer'
-    parameters = ('x', 'axes', 'frequency_weights', 'keepdims', 'sync_statistics', 'num_dev')
+    parameters = ('x', 'axes', 'frequency_weights', 'keepdims', 'training', 'sync_statistics',
+                  'num_dev')
     not_sync_relevant = {k: v for k, v in Moments.not_sync_relevant.items() if k != 'shift'}
     uses_weights = True
 
@@ -661,7 +660,8 @@ class WeightedMoments(Moments):
         sync = self.sync_kwargs(option, num_dev)
         with tf1.variable_scope('bn'):
             return self._layer(x, lambda x: tf1_syncbn.weighted_moments(
-                x, kwargs['axes'], _broadcastable(weights, x), keepdims=True, **sync))
+                x, kwargs['axes'], _broadcastable(weights, x), keepdims=True,
+                training=training, **sync))
 
     def build_replaced(self, x, training, option, weights=None):
         kwargs = self.kwargs(option, training)

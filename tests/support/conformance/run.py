@@ -327,7 +327,7 @@ def _build_alone(harness_type, cell):
                 _build(harness, [cell])
             error = None
         except Exception as e:  # noqa: BLE001 - the refusal is the result
-            error = _detached(e)
+            error = _detached(e.errors[cell.id] if isinstance(e, _Failed) else e)
     return Result(error=error, warnings=_warnings_of(caught, [cell])[cell.id])
 
 
