@@ -104,7 +104,7 @@ def pytest_configure(config):
 #: at the end of a pass while the other idles. Each pass keeps the rest in
 #: pytest's order.
 LONGEST_FIRST = (
-    'slim/test_slim_parity.py', 'keras/test_keras_models.py',
+    'conformance/test_conformance.py', 'slim/test_slim_parity.py', 'keras/test_keras_models.py',
     'distributed/test_multi_worker_demo.py', 'layers/test_layers_parity.py',
     'project/test_readme.py', 'tensorpack/test_tensorpack_parity.py',
     'tensorpack/test_tensorpack_trainers.py', 'distributed/test_multi_worker_training.py',

@@ -35,3 +35,19 @@ def test_it_is_smaller_than_the_product_where_it_can_be():
 def test_a_factor_without_values_is_an_error():
     with pytest.raises(ValueError, match='factor 1 has no values'):
         suite_scope.pairwise((1, 2), ())
+
+
+def test_pairwise_of_cases_that_are_not_a_product():
+    # Some combinations do not exist (here: a 'stock' case only with 'x'): every pair
+    # of values that meets in some case meets in a chosen one, and nothing else.
+    product = itertools.product('abc', 'xyz', ('custom', 'stock'), (2, 4))
+    cases = [c for c in product if c[2] == 'custom' or c[1] == 'x']
+    chosen = suite_scope.pairwise_of(cases, lambda case: case)
+    assert chosen == [c for c in cases if c in chosen], 'not a subset in the order of the cases'
+    for i, j in itertools.combinations(range(4), 2):
+        assert {(c[i], c[j]) for c in chosen} == {(c[i], c[j]) for c in cases}, (i, j)
+    assert len(chosen) < len(cases)
+    assert chosen == suite_scope.pairwise_of(cases, lambda case: case), 'not deterministic'
+    # Only the pairs asked for: (0, 1) alone is the 9 combinations of its two factors.
+    assert len(suite_scope.pairwise_of(cases, lambda case: case, pairs=[(0, 1)])) == 9
+    assert suite_scope.pairwise_of([], lambda case: case) == []

@@ -83,3 +83,45 @@ def pairwise(*factors):
         chosen.add(best)
         missing -= pairs_of(product[best])
     return [product[k] for k in sorted(chosen)]
+
+
+def pairwise_of(cases, factors, pairs=None):
+    """A covering subset of ``cases`` in which every pair of values that meets, meets.
+
+    :func:`pairwise` for cases that are not a whole product (some
+    combinations do not exist): for each two factors, every two values that
+    meet in some case of ``cases`` meet in a chosen case. Built greedily
+    and deterministically (the case that covers the most pairs still
+    missing, the first of ``cases`` on ties), in ``cases``' order.
+
+    Args:
+      cases: the cases, a sequence.
+      factors: ``factors(case)`` gives the case's value of each factor, a tuple.
+      pairs: which pairs of factors (index pairs) must meet; default every pair.
+
+    Returns:
+      A list: a subset of ``cases``, in their order.
+    """
+    import itertools  # noqa: PLC0415 - only the products' modules need it
+
+    cases = list(cases)
+    if not cases:
+        return []
+    values = [tuple(factors(case)) for case in cases]
+    if pairs is None:
+        pairs = list(itertools.combinations(range(len(values[0])), 2))
+    covers = [{(i, j, v[i], v[j]) for i, j in pairs} for v in values]
+    holders = {}
+    for k, cover in enumerate(covers):
+        for pair in cover:
+            holders.setdefault(pair, []).append(k)
+    gain = [len(cover) for cover in covers]
+    chosen, missing = set(), set(holders)
+    while missing:
+        best = max(range(len(cases)), key=lambda k: (gain[k], -k))
+        chosen.add(best)
+        for pair in covers[best] & missing:
+            missing.discard(pair)
+            for k in holders[pair]:
+                gain[k] -= 1
+    return [cases[k] for k in sorted(chosen)]

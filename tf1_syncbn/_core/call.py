@@ -93,16 +93,19 @@ def _batch_norm(x, layout, options, params, batch_weights, updates_collections, 
             tf.convert_to_tensor(finetune, tf.bool), training)
         finetune_step = _updates.finetune_decay(options, params.finetune_count, active)
 
+    renorm_reads = None
+    if options.renorm and training is not False:
+        renorm_reads = _updates.read_renorm_statistics(params.renorm)
     updates = []
     if training is False:
         y = _normalize.infer(x, layout, options, params)
     elif training is True:
-        y, stats = _normalize.train(x, layout, options, params, plan, weights)
+        y, stats = _normalize.train(x, layout, options, params, plan, weights, renorm_reads)
         if do_update:
             stats = _main_group(plan, stats)
             updates = _updates.update_ops(options, params, stats, finetune_step)
     else:
-        y, stats = _switch(x, layout, options, params, plan, weights, training)
+        y, stats = _switch(x, layout, options, params, plan, weights, training, renorm_reads)
         if do_update:
             stats = _main_group(plan, stats)
             # In inference the count is 0: the updates leave everything as it is
@@ -138,12 +141,12 @@ def _main_group(plan, stats):
                           renorm=tuple(out[3:]) if stats.renorm is not None else None)
 
 
-def _switch(x, layout, options, params, plan, weights, training):
+def _switch(x, layout, options, params, plan, weights, training, renorm_reads):
     """Training or inference, chosen at run time by the bool tensor ``training``."""
     bessel = []
 
     def train_branch():
-        y, st = _normalize.train(x, layout, options, params, plan, weights)
+        y, st = _normalize.train(x, layout, options, params, plan, weights, renorm_reads)
         bessel.append(st.bessel)
         # The gradient of tf.cond differentiates every output of a branch (with
         # zeros for those without a gradient): cut the statistics, which come

@@ -113,7 +113,7 @@ def _gamma_beta(layout, params):
     return _vector(params.gamma, ones), _vector(params.beta, zeros)
 
 
-def train(x, layout, options, params, plan, weights=None):
+def train(x, layout, options, params, plan, weights=None, renorm_reads=None):
     """The output with batch statistics of the plan's group (or this tower's).
 
     Args:
@@ -123,6 +123,8 @@ def train(x, layout, options, params, plan, weights=None):
       params: the layer's :class:`~tf1_syncbn._core.variables.Params`.
       plan: a :class:`~tf1_syncbn._sync.plan.SyncPlan`, or None.
       weights: per-example ``batch_weights``, or None.
+      renorm_reads: with ``options.renorm``, ``(renorm_mean, renorm_stddev)``
+        as :func:`tf1_syncbn._core.updates.read_renorm_statistics` read them.
 
     Returns:
       ``(y, stats)``: the output (shape and dtype of ``x``) and the
@@ -133,7 +135,7 @@ def train(x, layout, options, params, plan, weights=None):
     if options.virtual_batch_size is not None:
         return _ghost(x, x4, fmt, layout, options, gamma, beta, plan)
     if needs_slow_path(options, weights):
-        return _slow(x, x4, fmt, layout, options, params, gamma, beta, plan, weights)
+        return _slow(x, x4, fmt, layout, options, gamma, beta, plan, weights, renorm_reads)
     if plan is None:
         y4, mean, var_unbiased = _math.fused_train(x4, gamma, beta, options.epsilon, fmt)
         count = _math.count_per_channel(x4, fmt)
@@ -145,7 +147,7 @@ def train(x, layout, options, params, plan, weights=None):
             BatchStats(moments.mean, moments.variance, moments.count, None, False))
 
 
-def _slow(x, x4, fmt, layout, options, params, gamma, beta, plan, weights):
+def _slow(x, x4, fmt, layout, options, gamma, beta, plan, weights, renorm_reads):
     """Differentiable global moments through a differentiable all-reduce, separate ops.
 
     The output is ``(x - mean) * (rsqrt(var + eps) * scale) + offset``, the
@@ -156,12 +158,9 @@ def _slow(x, x4, fmt, layout, options, params, gamma, beta, plan, weights):
     a shift (:func:`tf1_syncbn._compute.engine.global_moments`).
     """
     gamma, beta = _own_gradient_buffer(gamma), _own_gradient_buffer(beta)
-    renorm_reads = ()
-    if options.renorm:
-        # Every tower reads the renorm statistics before its all-reduce, which
-        # the main tower's updates of them wait for: no tower reads them updated.
-        renorm_reads = (read(params.renorm.mean), read(params.renorm.stddev))
-    moments = _engine.global_moments(x4, fmt, weights, plan, before=renorm_reads)
+    # The renorm statistics are read before this tower's all-reduce (and before
+    # every update of them: read_renorm_statistics).
+    moments = _engine.global_moments(x4, fmt, weights, plan, before=renorm_reads or ())
     oshape = _math.layout_broadcast_shape(layout.rank, layout.channels_last, layout.channels)
     scale = tf.ones(oshape, tf.float32)
     offset = tf.zeros(oshape, tf.float32)

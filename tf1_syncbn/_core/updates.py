@@ -23,12 +23,13 @@ import tensorflow as tf
 
 from tf1_syncbn._compute import math as _math
 from tf1_syncbn._sync.control_flow import enclosing_while_loop
-from tf1_syncbn._core.variables import assignable, read
+from tf1_syncbn._core.variables import assignable, read, variable_name
 from tf1_syncbn._graph.cache import graph_cache
 
 tf1 = tf.compat.v1
 
-__all__ = ['update_ops', 'finetune_decay', 'share_updates', 'tracked_variance']
+__all__ = ['update_ops', 'finetune_decay', 'share_updates', 'tracked_variance',
+           'read_renorm_statistics']
 
 
 def tracked_variance(options, stats):
@@ -106,6 +107,63 @@ def _assign_zero_debiased_average(variable, value, decay, active, debias):
                           name=tf1.get_default_graph().get_name_scope() + '/')
 
 
+class _RenormOrder(object):
+    """The towers' reads of each renorm variable, and its updates, by (graph, name)."""
+
+    def __init__(self):
+        self.reads = collections.defaultdict(list)
+        self.updates = collections.defaultdict(list)
+
+
+def _order_key(variable):
+    """Ops of one graph (a function's body is a graph of its own), outside while loops,
+    can be ordered by control edges; None elsewhere."""
+    if enclosing_while_loop() is not None:
+        return None
+    return tf1.get_default_graph(), variable_name(variable)
+
+
+def read_renorm_statistics(renorm):
+    """Reads ``renorm_mean`` and ``renorm_stddev`` before every update of them in the step.
+
+    A training call computes Batch Renormalization's ``r`` and ``d`` from
+    these variables as they were before the step, and the main tower updates
+    them in the same step. Every tower reads them here, outside any branch on
+    ``training``, and each read is a control input of the updates of the same
+    variables, whichever tower builds them first: without it, a tower outside
+    the main tower's sync group (or any tower with ``sync_statistics=None``)
+    whose read was scheduled after the main tower's update would compute with
+    the updated values. (Inside a ``tf.while_loop`` each tower keeps its own
+    statistics, and no other tower's op can wait for one in its frame.)
+
+    Args:
+      renorm: the layer's :class:`~tf1_syncbn._core.variables.RenormVariables`.
+
+    Returns:
+      ``(renorm_mean, renorm_stddev)`` as ``[C]`` tensors.
+    """
+    reads = (read(renorm.mean), read(renorm.stddev))
+    order = graph_cache().slot('tf1_syncbn.renorm_order', _RenormOrder)
+    for variable, value in zip((renorm.mean, renorm.stddev), reads):
+        key = _order_key(variable)
+        if key is not None:
+            order.reads[key].append(value.op)
+            for update in order.updates[key]:
+                update._add_control_inputs([value.op])  # noqa: SLF001
+    return reads
+
+
+def _renorm_update(variable, value, decay, active):
+    """The moving-average update of a renorm variable, after every tower's read of it."""
+    order = graph_cache().slot('tf1_syncbn.renorm_order', _RenormOrder)
+    key = _order_key(variable)
+    with tf.control_dependencies(order.reads[key] if key is not None else []):
+        update = _assign_moving_average(assignable(variable), value, decay, active)
+    if key is not None:
+        order.updates[key].append(update.op)
+    return update
+
+
 def update_ops(options, params, stats, finetune=None):
     """The moving-average assignments of one training step.
 
@@ -147,8 +205,10 @@ def update_ops(options, params, stats, finetune=None):
                                     float32_decay)]
     else:
         rmean, rstd = stats.renorm
-        renorm_updates = [average(params.renorm.mean, rmean, options.renorm_momentum),
-                          average(params.renorm.stddev, rstd, options.renorm_momentum)]
+        renorm_updates = [_renorm_update(params.renorm.mean, rmean, options.renorm_momentum,
+                                         active),
+                          _renorm_update(params.renorm.stddev, rstd, options.renorm_momentum,
+                                         active)]
         with tf.control_dependencies(renorm_updates):
             rmean, rstd = tf.identity(rmean), tf.identity(rstd)
             if params.zero_debias is None:

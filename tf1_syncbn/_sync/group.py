@@ -222,11 +222,20 @@ def sync_groups(options, towers, workers):
         unknown = sorted(set(covered) - set(range(total)))
         missing = sorted(set(range(total)) - set(covered))
         raise options.error(
-            '%s=%r must put each of the %s (global indices 0 to %d) in exactly one group%s%s.'
+            '%s=%r must put each of the %s (global indices 0 to %d) in exactly one group%s%s%s.'
             % (name, [list(m) for m in spec], where, total - 1,
                '; no group holds %s' % ', '.join(map(str, missing)) if missing else '',
-               '; there is no tower %s' % ', '.join(map(str, unknown)) if unknown else ''))
+               '; there is no tower %s' % ', '.join(map(str, unknown)) if unknown else '',
+               _HOW_TOWERS_ARE_COUNTED if unknown and workers == 1 else ''))
     return tuple(sorted(spec))
+
+
+#: What explicit groups that name more towers than the layer sees add to their refusal.
+_HOW_TOWERS_ARE_COUNTED = (
+    '. The layer counts the towers it can name: those of a tower context '
+    '(tower.TowerContext, tower.call_for_each_tower, a harness it reads), or, with '
+    'num_dev=<number of towers>, tower i built under a name scope tower_<i>. If this graph '
+    'builds more towers, build them one of these ways')
 
 
 def find_sync_group(options, site, backend):

@@ -1,0 +1,459 @@
+"""The matrix's columns: the harnesses that build towers, written as their scripts do.
+
+A :class:`Harness` builds one graph's towers: for each of its towers it
+enters the harness's own context (name scope, device, variable reuse, tower
+context, replica) and calls ``tower_fn(index)``, which builds every cell's
+layer on that tower and its gradients there, as a training script builds
+its loss and ``compute_gradients`` per tower. It then says which update ops
+a step runs (the harness's own choice: the last tower's, the first clone's,
+all of them). ``run.py`` does the rest (data, the step, the variables, the
+``Saver``).
+
+What users add in each harness (``num_dev`` where towers are only name
+scopes) is :attr:`Harness.num_dev`. A harness whose towers need other
+processes (worker processes, Horovod) is declared with where its cells run
+(:attr:`Harness.pending`), and one that does not exist on this TensorFlow
+says so (:meth:`Harness.unavailable`).
+
+To add a harness: a subclass here, an instance in :data:`HARNESSES`, and the
+row(s) of docs/harnesses.md's table it covers in :attr:`Harness.docs_rows`
+(the completeness test maps every row of that table to a column).
+"""
+
+import contextlib
+
+import tensorflow as tf
+
+from conformance import options as opts
+
+tf1 = tf.compat.v1
+
+
+class Harness(object):
+    """One column of the matrix.
+
+    Attributes:
+      name: the column's id (test ids, the page).
+      title: how the page names it.
+      docs_rows: the first cells of docs/harnesses.md's table ("Which
+        harnesses, and what you add") that this column covers.
+      num_dev: what users pass as ``num_dev`` (None: nothing, the harness
+        names its towers).
+      adds: what users add, for the page, where it is not ``num_dev``.
+      keeps: whose update ops a step runs, for the page.
+      pending: None, or where the column's cells run instead (a test module
+        or make target), while they are not run by the matrix itself.
+      marks: pytest marks of the column's cells (``versions``: the version
+        subset runs them).
+    """
+
+    name = None
+    title = None
+    docs_rows = ()
+    num_dev = None
+    adds = None
+    keeps = 'every tower'
+    pending = None
+    marks = ()
+    #: Builds its towers in threads (``tf.distribute``'s replicas): a patch is entered
+    #: once around the whole build, as scripts do, not around each call.
+    threaded = False
+    #: A ``tf.estimator.Estimator`` runs the graph (``run._run_estimator``).
+    estimator = False
+
+    def unavailable(self):
+        """Why the harness does not exist on this TensorFlow, or None."""
+        return None
+
+    def not_applicable(self, front_end, option):
+        """Why a cell has no meaning in this harness, or None."""
+        del front_end
+        if not option.num_dev and self.num_dev is None:
+            return 'the harness names its towers: users pass no num_dev here'
+        return None
+
+    def build_towers(self, tower_fn, towers):
+        """Builds ``tower_fn(index)`` in each tower; returns the results, in tower order."""
+        raise NotImplementedError
+
+    def updates(self, towers):
+        """The update ops a step runs (this harness's choice)."""
+        del towers
+        return tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
+
+    def step_ops(self):
+        """Ops of the harness the step runs besides the updates (a trainer's train op)."""
+        return []
+
+    def replica_variables(self, variables, index):
+        """What tower ``index`` reads of ``variables`` (a replica's own copy, under a strategy)."""
+        del index
+        return variables
+
+    def session_config(self, towers):
+        from tower import virtual_cpu_config  # noqa: PLC0415
+        return virtual_cpu_config(towers)
+
+    def close(self):
+        """Undoes what building changed outside the graph (registered patterns)."""
+
+
+def _devices(towers):
+    return ['/cpu:%d' % i for i in range(towers)]
+
+
+class TowerLoop(Harness):
+    """``cifar10_multi_gpu_train.py`` / ``inception_train.py``: ``tower_%d`` scopes."""
+
+    name = 'tower_loop'
+    title = 'a `tower_%d` loop (cifar10_multi_gpu_train)'
+    docs_rows = ('classic loops (`cifar10_multi_gpu_train.py`, `inception_train.py`)',)
+    num_dev = opts.TOWERS
+    keeps = 'the last tower'
+    scope_format = 'tower_%d'
+
+    def build_towers(self, tower_fn, towers):
+        results = []
+        for i in range(towers):
+            with tf.device('/cpu:%d' % i), tf.name_scope(self.scope_format % i):
+                results.append(tower_fn(i))
+                tf1.get_variable_scope().reuse_variables()
+        return results
+
+    def updates(self, towers):
+        return tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, self.scope_format % (towers - 1))
+
+
+class RegisteredPattern(TowerLoop):
+    """A script's own tower scopes (``gpu%d``), registered with ``register_tower_pattern``."""
+
+    name = 'registered_pattern'
+    title = 'your own name scopes (`gpu%d`, registered)'
+    docs_rows = ('your own name scopes',)
+    keeps = 'every tower'
+    scope_format = 'gpu%d'
+    PATTERN = r'gpu([0-9]+)'
+
+    def build_towers(self, tower_fn, towers):
+        import tower  # noqa: PLC0415
+        tower.register_tower_pattern(self.PATTERN)
+        self._registered = True
+        return super(RegisteredPattern, self).build_towers(tower_fn, towers)
+
+    def updates(self, towers):
+        return tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
+
+    def close(self):
+        if getattr(self, '_registered', False):
+            import tower  # noqa: PLC0415
+            tower.unregister_tower_pattern(self.PATTERN)
+            self._registered = False
+
+
+class ModelDeploy(Harness):
+    """tf-slim's ``model_deploy`` (``train_image_classifier.py``): ``clone_%d`` scopes.
+
+    tf-slim 1.1 does not ship ``deployment/model_deploy.py`` (it lives in
+    tensorflow/models' research/slim); its conventions, as
+    ``tests/tower/test_tower_name_scopes.py`` inlines them: each clone in
+    ``tf.name_scope('clone_%d')`` on its device, variables shared with
+    ``variable_scope(reuse=i > 0)``, and the first clone's ``UPDATE_OPS``.
+    """
+
+    name = 'model_deploy'
+    title = 'tf-slim `model_deploy` clones'
+    docs_rows = ('tf-slim `model_deploy` (`train_image_classifier.py`)',)
+    num_dev = opts.TOWERS
+    keeps = 'the first clone'
+
+    def build_towers(self, tower_fn, towers):
+        results = []
+        for i in range(towers):
+            with tf.name_scope('clone_%d' % i), tf.device('/cpu:%d' % i):
+                with tf1.variable_scope(tf1.get_variable_scope(), reuse=True if i > 0 else None):
+                    results.append(tower_fn(i))
+        return results
+
+    def updates(self, towers):
+        return tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, 'clone_0')
+
+
+class TowerContextHarness(Harness):
+    """This library's ``tower.call_for_each_tower`` (a ``TowerContext`` per tower)."""
+
+    name = 'tower_context'
+    title = '`tower.call_for_each_tower` / `TowerContext`'
+    docs_rows = ('`tower.call_for_each_tower` / `tower.TowerContext`',)
+
+    def build_towers(self, tower_fn, towers):
+        from tower import call_for_each_tower, get_current_tower_context  # noqa: PLC0415
+        return call_for_each_tower(lambda: tower_fn(get_current_tower_context().index),
+                                   _devices(towers))
+
+
+class UnnamedLoop(Harness):
+    """A hand-written loop that names no tower: ``tf.device`` and variable reuse only."""
+
+    name = 'unnamed_loop'
+    title = 'a loop with no tower name (`tf.device` + reuse)'
+    keeps = 'the first copy'
+    docs_rows = ('a hand-written loop with no tower name (`tf.device` and '
+                 "`tf.variable_scope('', reuse=i > 0)` only, or an unregistered `gpu_<i>` "
+                 'name scope)',)
+
+    def not_applicable(self, front_end, option):
+        del front_end
+        if not option.num_dev:
+            return 'users pass no num_dev in any cell of this column'
+        return None
+
+    def build_towers(self, tower_fn, towers):
+        results = []
+        for i in range(towers):
+            with tf.device('/cpu:%d' % i), tf1.variable_scope('', reuse=i > 0):
+                results.append(tower_fn(i))
+            if i == 0:
+                self._first = len(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS))
+        return results
+
+    def updates(self, towers):
+        # Copies that name no tower each update the statistics (with sync_statistics=None):
+        # the script keeps the first copy's update ops, as model_deploy keeps the first
+        # clone's (every copy's would apply four updates, in no set order).
+        return tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)[:self._first]
+
+
+class _Strategy(Harness):
+    """A ``tf.compat.v1.distribute`` strategy: ``strategy.run`` builds the replicas."""
+
+    docs_rows = ('TensorFlow\'s `tf.distribute` strategies in a TF1 graph '
+                 '(`tf.compat.v1.distribute.MirroredStrategy`, '
+                 '`tf.compat.v1.distribute.experimental.CentralStorageStrategy`, '
+                 '`tf.compat.v1.distribute.experimental.MultiWorkerMirroredStrategy`)',)
+    keeps = 'every replica (the strategy merges them)'
+    threaded = True
+
+    def make_strategy(self, towers):
+        raise NotImplementedError
+
+    def build_towers(self, tower_fn, towers):
+        self.strategy = self.make_strategy(towers)
+        results = {}
+
+        def replica_fn():
+            context = tf.distribute.get_replica_context()
+            index = int(tf.get_static_value(context.replica_id_in_sync_group))
+            results[index] = tower_fn(index)
+
+        with self.strategy.scope():
+            self.strategy.run(replica_fn)
+        return [results[i] for i in range(towers)]
+
+    def replica_variables(self, variables, index):
+        # The replica's own copy of a mirrored variable is what its tower reads.
+        return [self.strategy.experimental_local_results(v)[index]
+                if len(self.strategy.experimental_local_results(v)) > 1 else v
+                for v in variables]
+
+
+class Mirrored(_Strategy):
+    name = 'mirrored'
+    title = '`tf.compat.v1.distribute.MirroredStrategy`'
+
+    def make_strategy(self, towers):
+        return tf1.distribute.MirroredStrategy(_devices(towers))
+
+
+class CentralStorage(_Strategy):
+    name = 'central_storage'
+    title = '`tf.compat.v1.distribute.experimental.CentralStorageStrategy`'
+    docs_rows = ()
+
+    def make_strategy(self, towers):
+        return tf1.distribute.experimental.CentralStorageStrategy(
+            _devices(towers), parameter_device='/cpu:0')
+
+
+class _Tensorpack(Harness):
+    """tensorpack 0.11's multi-GPU trainers' graph builders, towers ``tower<k>`` on CPUs.
+
+    The trainers' ``_setup_graph`` is ``builder.call_for_each_tower(tower_fn)``
+    then ``builder.build(grads, get_opt_fn)``; the step's update ops are every
+    ``UPDATE_OPS`` (tensorpack's ``RunUpdateOps``). tensorpack puts tower
+    ``k`` on ``/gpu:<k>``: ``tensorpack_devices.towers_on_virtual_cpus``
+    moves it to ``/cpu:<k>``, the one override of tensorpack the tests make.
+    """
+
+    docs_rows = ("tensorpack's multi-GPU trainers (`SyncMultiGPUTrainerParameterServer`, "
+                 '`SyncMultiGPUTrainerReplicated`)',)
+    keeps = 'every tower (`RunUpdateOps`)'
+
+    def make_builder(self, towers):
+        raise NotImplementedError
+
+    def build_towers(self, tower_fn, towers):
+        from tensorpack_devices import towers_on_virtual_cpus  # noqa: PLC0415
+        from tensorpack.tfutils.tower import get_current_tower_context  # noqa: PLC0415
+        towers_on_virtual_cpus()
+        builder = self.make_builder(towers)
+        grads = []
+
+        def tower():
+            result = tower_fn(get_current_tower_context().index)
+            grads.append(result['harness_grads'])
+            return result
+
+        results = builder.call_for_each_tower(tower)
+        built = builder.build(grads, lambda: tf1.train.GradientDescentOptimizer(0.0))
+        self._train_op = built[0] if isinstance(built, tuple) else built
+        return results
+
+    def step_ops(self):
+        return [self._train_op]
+
+    def session_config(self, towers):
+        # tensorpack applies the replicated trainer's gradients on '/gpu:<k>' (its
+        # tensorpack_harness.py runs so too): placed on the CPUs by soft placement.
+        from tower import virtual_cpu_config  # noqa: PLC0415
+        return virtual_cpu_config(towers, allow_soft_placement=True)
+
+
+class TensorpackParameterServer(_Tensorpack):
+    name = 'tensorpack_ps'
+    title = "tensorpack's `SyncMultiGPUTrainerParameterServer`"
+
+    def make_builder(self, towers):
+        from tensorpack.graph_builder.training import (  # noqa: PLC0415
+            SyncMultiGPUParameterServerBuilder)
+        return SyncMultiGPUParameterServerBuilder(list(range(towers)), 'cpu')
+
+
+class TensorpackReplicated(_Tensorpack):
+    name = 'tensorpack_replicated'
+    title = "tensorpack's `SyncMultiGPUTrainerReplicated` (each tower's own variables)"
+    docs_rows = ()
+
+    def not_applicable(self, front_end, option):
+        if front_end.family == 'keras':
+            return ("tensorpack's replicated trainer pairs the towers' copies by variable "
+                    "scope; Keras names a layer's weights by the tower's name scope "
+                    "(`tower0/...`), which the trainer refuses (tf-keras' own layer too): "
+                    'the parameter-server trainer runs Keras models')
+        return super(TensorpackReplicated, self).not_applicable(front_end, option)
+
+    def make_builder(self, towers):
+        from tensorpack.graph_builder.training import (  # noqa: PLC0415
+            SyncMultiGPUReplicatedBuilder)
+        return SyncMultiGPUReplicatedBuilder(list(range(towers)), True, 'cpu')
+
+
+def _estimator_missing():
+    if hasattr(tf, 'estimator') and hasattr(tf.estimator, 'Estimator'):
+        return None
+    return 'tf.estimator exists up to TensorFlow 2.15 (this is %s)' % tf.__version__
+
+
+class _Estimator(Harness):
+    """``tf.estimator.Estimator`` (TensorFlow 2.15): the version subset runs its cells.
+
+    The ``model_fn`` builds the cells (``run._run_estimator``); the input
+    function gives nothing the cells read (a hook feeds their inputs).
+    """
+
+    marks = ('versions',)
+    estimator = True
+    model_fn_per_replica = False
+
+    def unavailable(self):
+        return _estimator_missing()
+
+    @staticmethod
+    def input_fn():
+        return tf.data.Dataset.from_tensors(({'unused': [0.0]}, [0.0])).repeat()
+
+    def run_config(self, towers):
+        return tf.estimator.RunConfig(session_config=self.session_config(towers),
+                                      save_summary_steps=None, log_step_count_steps=None)
+
+
+class EstimatorMirrored(_Estimator):
+    name = 'estimator_mirrored'
+    title = '`tf.estimator` with `train_distribute=MirroredStrategy`'
+    docs_rows = ('`tf.estimator.Estimator` (TensorFlow 2.15, the last release that has it) '
+                 'with `RunConfig(train_distribute=tf.compat.v1.distribute.MirroredStrategy'
+                 '(...))`',)
+    keeps = 'every replica (the strategy merges them)'
+    threaded = True
+    model_fn_per_replica = True
+
+    def run_config(self, towers):
+        return tf.estimator.RunConfig(
+            session_config=self.session_config(towers), save_summary_steps=None,
+            log_step_count_steps=None,
+            train_distribute=tf1.distribute.MirroredStrategy(_devices(towers)))
+
+    def replica_variables(self, variables, index):
+        strategy = tf.distribute.get_strategy()
+        return [strategy.experimental_local_results(v)[index]
+                if len(strategy.experimental_local_results(v)) > 1 else v
+                for v in variables]
+
+
+class EstimatorTowers(_Estimator, TowerLoop):
+    name = 'estimator_towers'
+    title = 'a `model_fn` that builds `tower_%d` towers'
+    docs_rows = ('a `model_fn` that builds its own towers (`tower_<i>` name scopes, one per '
+                 'device) in a plain `Estimator`',)
+    num_dev = opts.TOWERS
+    keeps = 'every tower'
+
+    def updates(self, towers):
+        return tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
+
+
+class _Pending(Harness):
+    """A column whose towers are other processes: its cells run elsewhere (``pending``)."""
+
+    def not_applicable(self, front_end, option):
+        return None
+
+
+class MultiWorker(_Pending):
+    name = 'multi_worker'
+    title = 'worker processes (`tf1_syncbn.distributed`)'
+    adds = '`sync_statistics=cluster.backend()` (and `num_dev`, as the harness of its towers)'
+    docs_rows = ('one process per device without Horovod',)
+    pending = ('tests/distributed/test_multi_worker_training.py and '
+               'tests/distributed/test_sync_groups_workers.py (worker processes)')
+
+
+class MultiWorkerMirrored(_Pending):
+    name = 'multi_worker_mirrored'
+    title = '`MultiWorkerMirroredStrategy` (worker processes)'
+    docs_rows = ()
+    pending = 'tests/tower/test_tower_distribute_multi_worker.py (worker processes)'
+
+
+class Horovod(_Pending):
+    name = 'horovod'
+    title = "Horovod (`sync_statistics='horovod'`, one process per device)"
+    adds = "`sync_statistics='horovod'`"
+    docs_rows = ('one process per device under `horovodrun`, as `hvd.SyncBatchNormalization`',)
+    pending = 'make test-horovod (tests/with_horovod/test_horovod_parity.py)'
+
+
+HARNESSES = (TowerLoop(), TowerContextHarness(), ModelDeploy(), RegisteredPattern(),
+             UnnamedLoop(), Mirrored(), CentralStorage(), TensorpackParameterServer(),
+             TensorpackReplicated(), EstimatorMirrored(), EstimatorTowers(), MultiWorker(),
+             MultiWorkerMirrored(), Horovod())
+BY_NAME = {harness.name: harness for harness in HARNESSES}
+assert len(BY_NAME) == len(HARNESSES)
+
+
+@contextlib.contextmanager
+def built(harness):
+    """Closes the harness after a build (registered patterns are unregistered)."""
+    try:
+        yield harness
+    finally:
+        harness.close()
