@@ -175,3 +175,29 @@ def towers_on(device, towers, memory_cap_mb=4096, soft_placement=True):
     devices = ['/gpu:%d' % i for i in tower_gpus(towers, physical, split)]
     return TowerSetup(devices, gpu_session_config(physical, split, memory_mb, soft_placement),
                       notes, 'gpu')
+
+
+def parse_towers(parser, argv, towers=None,
+                 device_help='tower devices: virtual CPUs (default) or GPUs'):
+    """Adds ``--device`` to ``parser``, parses ``argv`` and places the towers there.
+
+    Args:
+      parser: the script's ``argparse.ArgumentParser``, with every other option.
+      argv: the arguments (None: ``sys.argv[1:]``).
+      towers: the number of towers; None: the ``--towers`` option's.
+      device_help: the help of ``--device``.
+
+    Returns:
+      ``(args, setup)``: the parsed arguments and :func:`towers_on`'s
+      :class:`TowerSetup`.
+
+    Raises:
+      SystemExit: a wrong argument, or towers that cannot go there
+        (``parser.error``, with :func:`towers_on`'s reason).
+    """
+    parser.add_argument('--device', choices=('cpu', 'gpu'), default='cpu', help=device_help)
+    args = parser.parse_args(argv)
+    try:
+        return args, towers_on(args.device, args.towers if towers is None else towers)
+    except ValueError as e:
+        parser.error(str(e))

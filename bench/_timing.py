@@ -1,10 +1,10 @@
-"""Interleaved timing and the machine line shared by the benchmark scripts."""
+"""Interleaved timing and the machine lines shared by the benchmark scripts."""
 
 import os
 import time
 
 import numpy as np
-from _machine import cpu_model
+from _machine import cpu_model, gpu_line
 
 
 def median_times(runs, steps, warmup, block=5, between_rounds=None):
@@ -49,3 +49,22 @@ def machine_line():
         load = ''
     return 'machine: %s, %d cores, TensorFlow %s%s' % (cpu_model(), os.cpu_count(),
                                                        tf.__version__, load)
+
+
+def setup_lines(setup, backend=None):
+    """What the figures ran on: :func:`machine_line`; on GPU towers the GPUs and how
+    they were split; with a ``backend``, the kernels and the sync backend.
+
+    Args:
+      setup: the ``_devices.TowerSetup`` of the towers.
+      backend: the layers' sync backend, or None (no kernels line).
+    """
+    lines = [machine_line()]
+    if setup.kind == 'gpu':
+        lines += [gpu_line()] + ['note: ' + note for note in setup.notes]
+    if backend is not None:
+        from tf1_syncbn import kernels  # noqa: PLC0415 - scripts set TF's log level first
+        lines.append('kernels: %s; sync backend: %r' % (
+            "GPU towers: TensorFlow's kernels" if setup.kind == 'gpu' else kernels.status(),
+            backend))
+    return lines

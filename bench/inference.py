@@ -26,9 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from _devices import on_devices, towers_on  # noqa: E402
-from _machine import gpu_line  # noqa: E402
-from _timing import machine_line, median_times  # noqa: E402
+from _devices import on_devices, parse_towers  # noqa: E402
+from _timing import median_times, setup_lines  # noqa: E402
 
 from tf1_syncbn import sync_batch_norm  # noqa: E402
 
@@ -90,13 +89,8 @@ def main(argv=None):
     parser.add_argument('--shape', default='32,28,28,64')
     parser.add_argument('--steps', type=int, default=50)
     parser.add_argument('--warmup', type=int, default=5)
-    parser.add_argument('--device', choices=('cpu', 'gpu'), default='cpu',
-                        help='one CPU (default) or the first GPU')
-    args = parser.parse_args(argv)
-    try:
-        setup = towers_on(args.device, 1)
-    except ValueError as e:
-        parser.error(str(e))
+    args, setup = parse_towers(parser, argv, towers=1,
+                               device_help='one CPU (default) or the first GPU')
     tf1.disable_eager_execution()
     shape = tuple(int(s) for s in args.shape.split(','))
     variants = [('fused', fused), ('sync_batch_norm', ours), ('separate_ops', separate_ops)]
@@ -109,9 +103,7 @@ def main(argv=None):
     print('  ratio sync_batch_norm / fused: %.3fx  (target <= 1.05x)'
           % (med['sync_batch_norm'] / med['fused']))
     print('  ratio separate_ops / fused:    %.3fx' % (med['separate_ops'] / med['fused']))
-    print(machine_line())
-    if setup.kind == 'gpu':
-        print(gpu_line())
+    print('\n'.join(setup_lines(setup)))
 
 
 if __name__ == '__main__':

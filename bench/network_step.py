@@ -59,9 +59,8 @@ sys.path.insert(0, _HERE)
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from _devices import on_devices, towers_on  # noqa: E402
-from _machine import gpu_line  # noqa: E402
-from _timing import machine_line, median_times  # noqa: E402
+from _devices import on_devices, parse_towers  # noqa: E402
+from _timing import median_times, setup_lines  # noqa: E402
 from tf_slim.nets import resnet_v1  # noqa: E402
 
 from tf1_syncbn import CollectiveBackend, kernels, sync_arg_scope  # noqa: E402
@@ -186,13 +185,7 @@ def main(argv=None):
                         help="the collective backend's timeout in seconds (default: the "
                         "library's, %g; 0: none)" % DEFAULT_TIMEOUT)
     parser.add_argument('--memory-of', choices=VARIANTS, help=argparse.SUPPRESS)
-    parser.add_argument('--device', choices=('cpu', 'gpu'), default='cpu',
-                        help='tower devices: virtual CPUs (default) or GPUs')
-    args = parser.parse_args(argv)
-    try:
-        setup = towers_on(args.device, args.towers)
-    except ValueError as e:
-        parser.error(str(e))
+    args, setup = parse_towers(parser, argv)
     tf1.disable_eager_execution()
     if args.memory_of:
         measure_memory(args.memory_of, args, setup)
@@ -204,14 +197,7 @@ def main(argv=None):
                        block=3)
     print('resnet_v1_50 SGD step, %d towers x %d images of %dx%d%s, median of %d steps'
           % (args.towers, args.batch, args.size, args.size, on_devices(setup), args.steps))
-    print(machine_line())
-    if setup.kind == 'gpu':
-        print(gpu_line())
-        for note in setup.notes:
-            print('note: ' + note)
-    print('kernels: %s; sync backend: %r' % (
-        "GPU towers: TensorFlow's kernels" if setup.kind == 'gpu' else kernels.status(),
-        backend(args.timeout)))
+    print('\n'.join(setup_lines(setup, backend(args.timeout))))
     for name in variants:
         collectives, layers, per_layer = graph_counts(built[name][2], args.towers)
         print('  %-11s %8.1f ms  %.3fx   %4d collectives/step, %d layers, %5.1f ops per '

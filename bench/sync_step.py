@@ -35,9 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from _devices import on_devices, towers_on  # noqa: E402
-from _machine import gpu_line  # noqa: E402
-from _timing import machine_line, median_times  # noqa: E402
+from _devices import on_devices, parse_towers  # noqa: E402
+from _timing import median_times, setup_lines  # noqa: E402
 from tensorflow.python.ops import collective_ops  # noqa: E402
 
 from tf1_syncbn import CollectiveBackend, kernels, sync_batch_norm  # noqa: E402
@@ -135,13 +134,7 @@ def main(argv=None):
     parser.add_argument('--timeout', type=float, default=None,
                         help="the collective backend's timeout in seconds (default: the "
                         "library's default; 0: none)")
-    parser.add_argument('--device', choices=('cpu', 'gpu'), default='cpu',
-                        help='tower devices: virtual CPUs (default) or GPUs')
-    args = parser.parse_args(argv)
-    try:
-        setup = towers_on(args.device, args.towers)
-    except ValueError as e:
-        parser.error(str(e))
+    args, setup = parse_towers(parser, argv)
     if args.timeout is not None:
         BACKEND[0] = CollectiveBackend(timeout=args.timeout)
     tf1.disable_eager_execution()
@@ -154,14 +147,7 @@ def main(argv=None):
           % (args.towers, 'x'.join(map(str, shape)), on_devices(setup), args.steps))
     for name, _ in variants:
         print('  %-19s %8.2f ms' % (name, med[name]))
-    print(machine_line())
-    if setup.kind == 'gpu':
-        print(gpu_line())
-        for note in setup.notes:
-            print('note: ' + note)
-    print('kernels: %s; sync backend: %r' % (
-        'GPU towers: TensorFlow\'s kernels' if setup.kind == 'gpu' else kernels.status(),
-        BACKEND[0]))
+    print('\n'.join(setup_lines(setup, BACKEND[0])))
     print('  ratio sync_batch_norm / fused: %.2fx  (target <= 1.15x)'
           % (med['sync_batch_norm'] / med['fused']))
     print('  ratio sync_stock_kernels / fused: %.2fx' % (med['sync_stock_kernels'] / med['fused']))

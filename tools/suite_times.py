@@ -10,10 +10,14 @@ module's share, as Markdown tables for ``docs/testing.md``::
 """
 
 import argparse
-import collections
 import json
 import os
 import sys
+
+# The plugin's own per-module sums (tests/support first: this file is suite_times too).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                'tests', 'support'))
+from suite_times import module_totals  # noqa: E402
 
 
 def _load(path):
@@ -39,13 +43,7 @@ def report(path, top):
     slow = sorted(tests, key=lambda t: -t['wall'])[:top]
     out.append(_table([('%.1f' % t['wall'], '%.1f' % (t['cpu'] or 0), '`%s`' % t['test'])
                        for t in slow], ['wall s', 'CPU s', 'test']))
-    modules = collections.defaultdict(lambda: [0, 0.0, 0.0])
-    for t in tests:
-        m = modules[t['module']]
-        m[0] += 1
-        m[1] += t['wall']
-        m[2] += t['cpu'] or 0.0
-    ranked = sorted(modules.items(), key=lambda kv: -kv[1][1])
+    ranked = module_totals(tests)
     shown = ranked[:top]
     rest = ranked[top:]
     rows = [('%.0f' % w, '%.1f%%' % (100 * w / wall), '%.0f' % c, n, '`%s`' % m)

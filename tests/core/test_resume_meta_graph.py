@@ -1,6 +1,7 @@
 """Resuming training from a meta graph in a new process continues the run exactly.
 
-A user saves a 4-tower synchronized training graph with ``Saver.save``
+A user saves a 4-tower synchronized training graph (the model of
+``tests/data/pre_layout/write.py``) with ``Saver.save``
 (checkpoint and ``.meta``), and later, in a new process, runs
 ``import_meta_graph``, restores and trains on, with nothing but ``import
 tf1_syncbn``. Before, this failed: ``Op type not registered
@@ -20,6 +21,7 @@ compiled kernels, on the stock kernels with oneDNN off (the CPU stand-in for
 GPU towers), and with no C++ compiler at all, in the TF behaviour of the run.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -47,56 +49,39 @@ CONFIGS = {
 }
 
 
-def _batch(step):
-    rng = np.random.RandomState(step)
-    return (rng.randn(2 * TOWERS, 6, 6, 3).astype(np.float32) * 3 + 1,
-            rng.randint(0, 5, 2 * TOWERS).astype(np.int32))
+def _load_writer():
+    """``tests/data/pre_layout/write.py``, by its path (not a package): this file's model."""
+    spec = importlib.util.spec_from_file_location(
+        'pre_layout_write', os.path.join(ROOT, 'tests', 'data', 'pre_layout', 'write.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+#: The writer of the old checkpoints: its build_model and batch are this file's model and data.
+WRITER = _load_writer()
 
 
 def _train(directory):
     """The user's training script: 4 synchronized towers, save, and train on."""
     import tensorflow as tf
-    import tf_slim as slim
 
     import tf_behavior
     tf_behavior.apply()
-    import tf1_syncbn
-    from tower import call_for_each_tower, get_current_tower_context, virtual_cpu_config
+    from tower import virtual_cpu_config
     tf1 = tf.compat.v1
 
     graph = tf.Graph()
     with graph.as_default():
-        tf1.set_random_seed(0)
-        images = tf1.placeholder(tf.float32, [2 * TOWERS, 6, 6, 3], name='images')
-        labels = tf1.placeholder(tf.int32, [2 * TOWERS], name='labels')
-        is_training = tf1.placeholder_with_default(True, [], name='is_training')
-        image_parts, label_parts = tf.split(images, TOWERS), tf.split(labels, TOWERS)
-
-        def tower():
-            i = get_current_tower_context().index
-            net = slim.conv2d(image_parts[i], 8, [3, 3], normalizer_fn=tf1_syncbn.sync_batch_norm,
-                              normalizer_params={'is_training': is_training,
-                                                 'sync_statistics': 'auto'}, scope='conv')
-            net = tf1_syncbn.BatchNorm('bn', net, training=True, sync_statistics='auto')
-            logits = slim.fully_connected(tf.reduce_mean(net, [1, 2]), 5, activation_fn=None,
-                                          scope='logits')
-            return tf1.losses.sparse_softmax_cross_entropy(label_parts[i], logits,
-                                                           loss_collection=None)
-
-        losses = call_for_each_tower(tower, ['/cpu:%d' % i for i in range(TOWERS)])
-        loss = tf.add_n(losses) / TOWERS
-        step = tf1.train.get_or_create_global_step()
-        with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
-            train_op = tf1.train.MomentumOptimizer(0.1, 0.9).minimize(loss, global_step=step)
-        tf1.add_to_collection('train_op', train_op)
-        tf1.add_to_collection('loss', loss)
+        images, labels, loss, train_op = WRITER.build_model(TOWERS)
         saver = tf1.train.Saver()
         with tf1.Session(config=virtual_cpu_config(TOWERS)) as sess:
             sess.run(tf1.global_variables_initializer())
             for s in range(STEPS_BEFORE):
-                x, y = _batch(s)
+                x, y = WRITER.batch(s, TOWERS)
                 sess.run(train_op, {images: x, labels: y})
-            saver.save(sess, os.path.join(directory, 'model.ckpt'), global_step=step)
+            saver.save(sess, os.path.join(directory, 'model.ckpt'),
+                       global_step=tf1.train.get_global_step())
             return _steps(sess, train_op, loss, images, labels, STEPS_BEFORE)
 
 
@@ -147,7 +132,7 @@ def _steps(sess, train_op, loss, images, labels, start):
     import tensorflow as tf
     losses = []
     for s in range(start, start + STEPS_AFTER):
-        x, y = _batch(s)
+        x, y = WRITER.batch(s, TOWERS)
         losses.append(float(sess.run([loss, train_op], {images: x, labels: y})[0]))
     variables = tf.compat.v1.global_variables()
     return {'start': start, 'losses': losses,

@@ -41,6 +41,26 @@ def _cpu_seconds():
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + scripts
 
 
+def module_totals(records):
+    """Each module's tests, wall and CPU time, the module with the most wall time first.
+
+    Args:
+      records: the per-test records of a run (``'module'``, ``'wall'``, ``'cpu'``;
+        a CPU time of None counts as 0), as the JSON file holds them.
+
+    Returns:
+      ``[(module, (tests, wall seconds, CPU seconds))]``.
+    """
+    by_module = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for r in records:
+        m = by_module[r['module']]
+        m[0] += 1
+        m[1] += r['wall']
+        m[2] += r['cpu'] or 0.0
+    return sorted(((module, tuple(m)) for module, m in by_module.items()),
+                  key=lambda kv: -kv[1][1])
+
+
 class _CpuMeter(object):
     """Runs where the tests run: puts each test's CPU time into its teardown report."""
 
@@ -80,19 +100,14 @@ class _Recorder(object):
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         with open(self.path, 'w') as f:
             json.dump({'elapsed': elapsed, 'tests': records}, f, indent=1)
-        by_module = collections.defaultdict(lambda: [0, 0.0, 0.0])
-        for r in records:
-            m = by_module[r['module']]
-            m[0] += 1
-            m[1] += r['wall']
-            m[2] += r['cpu'] or 0.0
-        total = sum(m[1] for m in by_module.values()) or 1.0
+        modules = module_totals(records)
+        total = sum(wall for _, (_, wall, _) in modules) or 1.0
         write = terminalreporter.write_line
         terminalreporter.section('suite times (%s)' % os.path.relpath(self.path))
         write('%d tests, %.0f s of test time (wall, summed over workers) in %.0f s'
               % (len(records), total, elapsed))
         write('%7s %6s %7s %5s  %s' % ('wall s', 'share', 'cpu s', 'tests', 'module'))
-        for module, (count, wall, cpu) in sorted(by_module.items(), key=lambda kv: -kv[1][1]):
+        for module, (count, wall, cpu) in modules:
             write('%7.1f %5.1f%% %7.1f %5d  %s' % (wall, 100.0 * wall / total, cpu, count,
                                                   module))
 

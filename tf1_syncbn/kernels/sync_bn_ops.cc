@@ -185,17 +185,40 @@ Status CheckVector(const Tensor& t, int64_t size, const char* what) {
   return OkStatus();
 }
 
-template <typename T>
-class SyncBnMomentsOp : public OpKernel {
+// What the four statistics kernels share: the data_format attribute, and the
+// checks of the inputs they begin with.
+class LayoutKernel : public OpKernel {
  public:
-  explicit SyncBnMomentsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit LayoutKernel(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("data_format", &fmt_));
   }
+
+ protected:
+  // The layout of x: input 0 of the forward kernels; the gradient kernels
+  // begin with dy, x of dy's shape, and x's per-channel mean and inv_std.
+  Status InputLayout(OpKernelContext* ctx, bool gradient, Layout* l) const {
+    if (!gradient) return GetLayout(ctx->input(0), fmt_, l);
+    const Tensor& x = ctx->input(1);
+    if (ctx->input(0).shape() != x.shape())
+      return errors::InvalidArgument("dy and x must have the same shape");
+    TF_RETURN_IF_ERROR(GetLayout(x, fmt_, l));
+    TF_RETURN_IF_ERROR(CheckVector(ctx->input(2), l->channels, "mean"));
+    return CheckVector(ctx->input(3), l->channels, "inv_std");
+  }
+
+ private:
+  std::string fmt_;
+};
+
+template <typename T>
+class SyncBnMomentsOp : public LayoutKernel {
+ public:
+  using LayoutKernel::LayoutKernel;
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& x = ctx->input(0);
     Layout l;
-    OP_REQUIRES_OK(ctx, GetLayout(x, fmt_, &l));
+    OP_REQUIRES_OK(ctx, InputLayout(ctx, /*gradient=*/false, &l));
     const int64_t C = l.channels, n = l.outer * l.inner;
     Tensor* packed;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({1 + 2 * C}), &packed));
@@ -222,23 +245,19 @@ class SyncBnMomentsOp : public OpKernel {
       out(1 + C + c) = m2 + dn * mu * mu;
     }
   }
-
- private:
-  std::string fmt_;
 };
 
 template <typename T>
-class SyncBnNormalizeOp : public OpKernel {
+class SyncBnNormalizeOp : public LayoutKernel {
  public:
-  explicit SyncBnNormalizeOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("data_format", &fmt_));
+  explicit SyncBnNormalizeOp(OpKernelConstruction* ctx) : LayoutKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("epsilon", &epsilon_));
   }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& x = ctx->input(0);
     Layout l;
-    OP_REQUIRES_OK(ctx, GetLayout(x, fmt_, &l));
+    OP_REQUIRES_OK(ctx, InputLayout(ctx, /*gradient=*/false, &l));
     const int64_t C = l.channels;
     const Tensor& packed = ctx->input(1);
     const Tensor& gamma = ctx->input(2);
@@ -278,27 +297,20 @@ class SyncBnNormalizeOp : public OpKernel {
   }
 
  private:
-  std::string fmt_;
   float epsilon_;
 };
 
 template <typename T>
-class SyncBnGradSumsOp : public OpKernel {
+class SyncBnGradSumsOp : public LayoutKernel {
  public:
-  explicit SyncBnGradSumsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("data_format", &fmt_));
-  }
+  using LayoutKernel::LayoutKernel;
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& dy = ctx->input(0);
     const Tensor& x = ctx->input(1);
-    OP_REQUIRES(ctx, dy.shape() == x.shape(),
-                errors::InvalidArgument("dy and x must have the same shape"));
     Layout l;
-    OP_REQUIRES_OK(ctx, GetLayout(x, fmt_, &l));
+    OP_REQUIRES_OK(ctx, InputLayout(ctx, /*gradient=*/true, &l));
     const int64_t C = l.channels;
-    OP_REQUIRES_OK(ctx, CheckVector(ctx->input(2), C, "mean"));
-    OP_REQUIRES_OK(ctx, CheckVector(ctx->input(3), C, "inv_std"));
     Tensor *packed, *dgamma, *dbeta;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({2 * C}), &packed));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({C}), &dgamma));
@@ -321,33 +333,24 @@ class SyncBnGradSumsOp : public OpKernel {
       out[C + c] = out_dbeta[c] = static_cast<float>(total[c]);
     }
   }
-
- private:
-  std::string fmt_;
 };
 
 template <typename T>
-class SyncBnGradInputOp : public OpKernel {
+class SyncBnGradInputOp : public LayoutKernel {
  public:
-  explicit SyncBnGradInputOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("data_format", &fmt_));
-  }
+  using LayoutKernel::LayoutKernel;
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& dy = ctx->input(0);
     const Tensor& x = ctx->input(1);
-    OP_REQUIRES(ctx, dy.shape() == x.shape(),
-                errors::InvalidArgument("dy and x must have the same shape"));
     Layout l;
-    OP_REQUIRES_OK(ctx, GetLayout(x, fmt_, &l));
+    OP_REQUIRES_OK(ctx, InputLayout(ctx, /*gradient=*/true, &l));
     const int64_t C = l.channels;
     const Tensor& mean = ctx->input(2);
     const Tensor& inv_std = ctx->input(3);
     const Tensor& gamma = ctx->input(4);
     const Tensor& sums = ctx->input(5);
     const Tensor& count = ctx->input(6);
-    OP_REQUIRES_OK(ctx, CheckVector(mean, C, "mean"));
-    OP_REQUIRES_OK(ctx, CheckVector(inv_std, C, "inv_std"));
     OP_REQUIRES_OK(ctx, CheckVector(gamma, C, "gamma"));
     OP_REQUIRES_OK(ctx, CheckVector(sums, 2 * C, "reduced gradient sums"));
     OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(count.shape()),
@@ -375,9 +378,6 @@ class SyncBnGradInputOp : public OpKernel {
              cp[c];
     });
   }
-
- private:
-  std::string fmt_;
 };
 
 Status VectorOfChannels(InferenceContext* c, int input, DimensionHandle* channels) {

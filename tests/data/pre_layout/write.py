@@ -45,12 +45,58 @@ CONFIGS = {
 }
 
 
-def batch(step):
+def batch(step, towers=TOWERS):
     """The inputs of step ``step`` (the same in every process)."""
     import numpy as np
     rng = np.random.RandomState(100 + step)
-    return (rng.randn(2 * TOWERS, 5, 5, 3).astype(np.float32) * 2 + 1,
-            rng.randint(0, 4, 2 * TOWERS).astype(np.int32))
+    return (rng.randn(2 * towers, 5, 5, 3).astype(np.float32) * 2 + 1,
+            rng.randint(0, 4, 2 * towers).astype(np.int32))
+
+
+def build_model(towers=TOWERS):
+    """The model and its training step, in the default graph (see the module docstring).
+
+    Also the model ``tests/core/test_resume_meta_graph.py`` saves and resumes:
+    what the checkpoints here hold is what this builds with ``towers=TOWERS``.
+
+    Returns:
+      ``(images, labels, loss, train_op)``: the placeholders of :func:`batch`'s
+      arrays, the mean loss of the towers and the train op (also in the
+      collections ``'loss'`` and ``'train_op'``).
+    """
+    import tensorflow as tf
+    import tf_slim as slim
+
+    import tf1_syncbn
+    from tower import call_for_each_tower, get_current_tower_context
+    tf1 = tf.compat.v1
+
+    tf1.set_random_seed(0)
+    images = tf1.placeholder(tf.float32, [2 * towers, 5, 5, 3], name='images')
+    labels = tf1.placeholder(tf.int32, [2 * towers], name='labels')
+    is_training = tf1.placeholder_with_default(True, [], name='is_training')
+    image_parts, label_parts = tf.split(images, towers), tf.split(labels, towers)
+
+    def tower():
+        i = get_current_tower_context().index
+        net = slim.conv2d(image_parts[i], 4, [3, 3], normalizer_fn=tf1_syncbn.sync_batch_norm,
+                          normalizer_params={'is_training': is_training,
+                                             'sync_statistics': 'auto'}, scope='conv')
+        net = tf1_syncbn.BatchNorm('bn', net, training=True, sync_statistics='auto')
+        net = tf1_syncbn.layers.batch_normalization(net, training=True, name='tfl_bn')
+        logits = slim.fully_connected(tf.reduce_mean(net, [1, 2]), 4, activation_fn=None,
+                                      scope='logits')
+        return tf1.losses.sparse_softmax_cross_entropy(label_parts[i], logits,
+                                                       loss_collection=None)
+
+    losses = call_for_each_tower(tower, ['/cpu:%d' % i for i in range(towers)])
+    loss = tf.add_n(losses) / towers
+    step = tf1.train.get_or_create_global_step()
+    with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+        train_op = tf1.train.MomentumOptimizer(0.1, 0.9).minimize(loss, global_step=step)
+    tf1.add_to_collection('train_op', train_op)
+    tf1.add_to_collection('loss', loss)
+    return images, labels, loss, train_op
 
 
 def _write(directory, behavior):
@@ -60,39 +106,14 @@ def _write(directory, behavior):
         tf.compat.v1.disable_v2_behavior()
     else:
         tf.compat.v1.disable_eager_execution()
-    import tf_slim as slim
 
     import tf1_syncbn
-    from tower import call_for_each_tower, get_current_tower_context, virtual_cpu_config
+    from tower import virtual_cpu_config
     tf1 = tf.compat.v1
 
     graph = tf.Graph()
     with graph.as_default():
-        tf1.set_random_seed(0)
-        images = tf1.placeholder(tf.float32, [2 * TOWERS, 5, 5, 3], name='images')
-        labels = tf1.placeholder(tf.int32, [2 * TOWERS], name='labels')
-        is_training = tf1.placeholder_with_default(True, [], name='is_training')
-        image_parts, label_parts = tf.split(images, TOWERS), tf.split(labels, TOWERS)
-
-        def tower():
-            i = get_current_tower_context().index
-            net = slim.conv2d(image_parts[i], 4, [3, 3], normalizer_fn=tf1_syncbn.sync_batch_norm,
-                              normalizer_params={'is_training': is_training,
-                                                 'sync_statistics': 'auto'}, scope='conv')
-            net = tf1_syncbn.BatchNorm('bn', net, training=True, sync_statistics='auto')
-            net = tf1_syncbn.layers.batch_normalization(net, training=True, name='tfl_bn')
-            logits = slim.fully_connected(tf.reduce_mean(net, [1, 2]), 4, activation_fn=None,
-                                          scope='logits')
-            return tf1.losses.sparse_softmax_cross_entropy(label_parts[i], logits,
-                                                           loss_collection=None)
-
-        losses = call_for_each_tower(tower, ['/cpu:%d' % i for i in range(TOWERS)])
-        loss = tf.add_n(losses) / TOWERS
-        step = tf1.train.get_or_create_global_step()
-        with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
-            train_op = tf1.train.MomentumOptimizer(0.1, 0.9).minimize(loss, global_step=step)
-        tf1.add_to_collection('train_op', train_op)
-        tf1.add_to_collection('loss', loss)
+        images, labels, loss, train_op = build_model()
         saver = tf1.train.Saver()
         with tf1.Session(config=virtual_cpu_config(TOWERS)) as sess:
             sess.run(tf1.global_variables_initializer())
