@@ -8,6 +8,7 @@ The whole process runs in one TF behaviour, chosen by
 
 import os
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -49,6 +50,28 @@ def graph():
 def make_session(graph, num_devices=MAX_DEVICES):
     """A session on ``graph`` with ``num_devices`` virtual CPUs."""
     return tf.compat.v1.Session(graph=graph, config=virtual_cpu_config(num_devices))
+
+
+def assert_first_run_fails(graph, fetches, feed, error, match=None, devices=MAX_DEVICES,
+                           within=30):
+    """The first run of ``fetches`` (variables initialized) raises ``error`` in ``within`` s.
+
+    For what must stop a step long before any collective's timeout (no hang).
+
+    Args:
+      graph: the graph, run in a session on ``devices`` virtual CPUs.
+      fetches, feed: the run's.
+      error: the ``tf.errors`` class expected.
+      match: ``pytest.raises``' pattern for the message.
+      devices: the number of virtual CPUs.
+      within: the seconds the run may take before it fails.
+    """
+    with make_session(graph, devices) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        start = time.time()
+        with pytest.raises(error, match=match):
+            sess.run(fetches, feed)
+        assert time.time() - start < within
 
 
 @pytest.fixture

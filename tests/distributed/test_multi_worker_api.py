@@ -230,17 +230,22 @@ def test_one_worker_broadcast_and_metrics_are_no_ops(graph):
     assert out.dtype == tf.float32
 
 
+def _counting_graph(initial, increment):
+    """``(graph, v, train)``: ``train`` adds ``increment`` to ``v`` and 1 to the global step."""
+    graph = tf.Graph()
+    with graph.as_default():
+        step = tf1.train.get_or_create_global_step()
+        v = tf1.get_variable('v', initializer=tf.constant(initial))
+        train = tf.group(v.assign_add(increment), step.assign_add(1))
+    return graph, v, train
+
+
 def test_worker_session_on_one_worker_saves_and_resumes(no_tf_config, tmp_path):
     cluster = dist.setup_cluster(towers=2)
     ckpt = str(tmp_path / 'ckpt')
 
     def build():
-        graph = tf.Graph()
-        with graph.as_default():
-            step = tf1.train.get_or_create_global_step()
-            v = tf1.get_variable('v', initializer=tf.constant([1.0, 2.0]))
-            train = tf.group(v.assign_add([1.0, 1.0]), step.assign_add(1))
-        return graph, v, train
+        return _counting_graph([1.0, 2.0], [1.0, 1.0])
 
     graph, v, train = build()
     with dist.WorkerSession(cluster, checkpoint_dir=ckpt, graph=graph) as session:
@@ -284,12 +289,7 @@ def test_worker_session_never_resumes_from_a_half_written_checkpoint(no_tf_confi
     cluster = dist.setup_cluster(towers=1)
 
     def build():
-        graph = tf.Graph()
-        with graph.as_default():
-            step = tf1.train.get_or_create_global_step()
-            v = tf1.get_variable('v', initializer=tf.constant([0.0, 0.0]))
-            train = tf.group(v.assign_add([1.0, 2.0]), step.assign_add(1))
-        return graph, v, train
+        return _counting_graph([0.0, 0.0], [1.0, 2.0])
 
     def saved(directory, part):
         graph, v, train = build()

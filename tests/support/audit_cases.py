@@ -72,21 +72,46 @@ def _keep(keep, towers, scope_format):
     return tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
 
 
-def classic_towers(bn, towers=2, keep='last', bn_params=None, net=small_net):
-    """cifar10_multi_gpu_train.py: ``tower_%d`` scopes, reuse_variables(), averaged gradients."""
+def _tower_loop(bn, towers, bn_params, net, tower_scope, keep='all', scope_format=None,
+                clone_shares=False):
+    """The hand-written tower loop of the harnesses below: one copy of ``net`` per tower.
+
+    Args:
+      tower_scope: ``tower_scope(i)``: the context tower ``i`` is built in
+        (its device, name and variable scopes, the reuse of the variables).
+      keep, scope_format: the update ops the train op runs with (:func:`_keep`).
+      clone_shares: model_deploy's way: each clone's loss divided by
+        ``towers`` and the gradients summed; else cifar10's, the towers'
+        gradients averaged.
+    """
     graph = tf.Graph()
     with graph.as_default():
         images, labels = _inputs(towers)
         opt = tf1.train.GradientDescentOptimizer(0.1)
         tower_grads, params = [], _params(bn_params)
         for i in range(towers):
-            with tf.device('/cpu:%d' % i), tf1.name_scope('tower_%d' % i):
+            with tower_scope(i):
                 loss = _loss(net(images[i], bn, params), labels[i])
-                tf1.get_variable_scope().reuse_variables()
-                tower_grads.append(opt.compute_gradients(loss))
-        with tf.control_dependencies(_keep(keep, towers, 'tower_%d')):
-            train_op = opt.apply_gradients(average_gradients(tower_grads))
+                tower_grads.append(opt.compute_gradients(loss / towers if clone_shares else loss))
+        if clone_shares:
+            grads = [(tf.add_n([g[k][0] for g in tower_grads]), tower_grads[0][k][1])
+                     for k in range(len(tower_grads[0]))]
+        else:
+            grads = average_gradients(tower_grads)
+        with tf.control_dependencies(_keep(keep, towers, scope_format)):
+            train_op = opt.apply_gradients(grads)
     return graph, train_op
+
+
+def classic_towers(bn, towers=2, keep='last', bn_params=None, net=small_net):
+    """cifar10_multi_gpu_train.py: ``tower_%d`` scopes, reuse_variables(), averaged gradients."""
+    @contextlib.contextmanager
+    def tower_scope(i):
+        with tf.device('/cpu:%d' % i), tf1.name_scope('tower_%d' % i):
+            yield
+            tf1.get_variable_scope().reuse_variables()
+
+    return _tower_loop(bn, towers, bn_params, net, tower_scope, keep, 'tower_%d')
 
 
 def device_loop(bn, towers=2, scope=None, bn_params=None, net=small_net):
@@ -96,24 +121,18 @@ def device_loop(bn, towers=2, scope=None, bn_params=None, net=small_net):
     or, with ``scope`` (``'gpu_%d'``), a name scope that no tower convention
     knows. Every tower's ``UPDATE_OPS`` run with the train op.
     """
-    graph = tf.Graph()
-    with graph.as_default():
-        images, labels = _inputs(towers)
-        opt = tf1.train.GradientDescentOptimizer(0.1)
-        tower_grads, params = [], _params(bn_params)
-        for i in range(towers):
-            with tf.device('/cpu:%d' % i), contextlib.ExitStack() as scopes:
-                if scope is None:
-                    scopes.enter_context(tf1.variable_scope('', reuse=i > 0))
-                else:
-                    scopes.enter_context(tf1.name_scope(scope % i))
-                    scopes.enter_context(tf1.variable_scope(tf1.get_variable_scope(),
-                                                            reuse=i > 0))
-                tower_grads.append(opt.compute_gradients(
-                    _loss(net(images[i], bn, params), labels[i])))
-        with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
-            train_op = opt.apply_gradients(average_gradients(tower_grads))
-    return graph, train_op
+    @contextlib.contextmanager
+    def tower_scope(i):
+        with tf.device('/cpu:%d' % i):
+            if scope is None:
+                with tf1.variable_scope('', reuse=i > 0):
+                    yield
+            else:
+                with tf1.name_scope(scope % i), \
+                        tf1.variable_scope(tf1.get_variable_scope(), reuse=i > 0):
+                    yield
+
+    return _tower_loop(bn, towers, bn_params, net, tower_scope)
 
 
 def model_deploy_clones(bn, towers=2, keep='first', bn_params=None, clone_scope=None,
@@ -124,25 +143,18 @@ def model_deploy_clones(bn, towers=2, keep='first', bn_params=None, clone_scope=
       clone_scope: a context manager factory entered around the network in
         each clone (``clone_fn``'s body), e.g. ``sync_arg_scope``.
     """
-    graph = tf.Graph()
-    with graph.as_default():
-        images, labels = _inputs(towers)
-        opt = tf1.train.GradientDescentOptimizer(0.1)
-        grads, params = [], _params(bn_params)
-        for i in range(towers):
-            with tf1.name_scope('clone_%d' % i), tf.device('/cpu:%d' % i):
-                with tf1.variable_scope(tf1.get_variable_scope(), reuse=True if i else None):
-                    if clone_scope is None:
-                        logits = net(images[i], bn, params)
-                    else:
-                        with clone_scope():
-                            logits = net(images[i], bn, params)
-                    grads.append(opt.compute_gradients(_loss(logits, labels[i]) / towers))
-        summed = [(tf.add_n([g[k][0] for g in grads]), grads[0][k][1])
-                  for k in range(len(grads[0]))]
-        with tf.control_dependencies(_keep(keep, towers, 'clone_%d')):
-            train_op = opt.apply_gradients(summed)
-    return graph, train_op
+    def clone_fn(*args):
+        with clone_scope() if clone_scope else contextlib.nullcontext():
+            return net(*args)
+
+    @contextlib.contextmanager
+    def tower_scope(i):
+        with tf1.name_scope('clone_%d' % i), tf.device('/cpu:%d' % i), \
+                tf1.variable_scope(tf1.get_variable_scope(), reuse=True if i else None):
+            yield
+
+    return _tower_loop(bn, towers, bn_params, clone_fn, tower_scope, keep, 'clone_%d',
+                       clone_shares=True)
 
 
 def tower_contexts(bn, towers=2, bn_params=None, wire_updates=True, net=small_net):

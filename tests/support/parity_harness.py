@@ -26,6 +26,8 @@ Each step feeds new data and runs one SGD step on ``sum(y * dy)``, with the
 update ops of ``UPDATE_OPS`` as control dependencies of the train op.
 """
 
+import types
+
 import numpy as np
 import tensorflow as tf
 
@@ -112,80 +114,131 @@ def train_case(apply, case, index, sizes):
       ``eval`` (inference on the final statistics), with rows in the reference
       batch's order; and :func:`graph_info`.
     """
-    data = case_data(case, index)
     rows = tower_rows(case, sizes)
-    towers = len(sizes)
-    shape = [None] + list(case['shape'][1:])
-    dtype = tf.as_dtype(case.get('dtype', 'float32'))
     graph = tf.Graph()
     with graph.as_default():
-        training = tf1.placeholder(tf.bool, [], 'training') if case.get('training_tensor') \
-            else True
-        xs, dys, ws, ys = [], [], [], []
-
-        def tower(i):
-            x = tf1.placeholder(tf.float32, shape, 'x')
-            dy = tf1.placeholder(tf.float32, shape, 'dy')
-            w = tf1.placeholder(tf.float32, [None], 'weights')
-            xs.append(x)
-            dys.append(dy)
-            ws.append(w)
-            ys.append(apply(tf.cast(x, dtype), w, training, i, towers))
-
-        if towers == 1:
-            tower(0)
-        else:
-            from tower import TowerContext  # noqa: PLC0415 - only the N-tower side
-            for i in range(towers):
-                with tf.device('/cpu:%d' % i), TowerContext('tower%d' % i, index=i,
-                                                            total=towers):
-                    tower(i)
-        x_eval = tf1.placeholder(tf.float32, shape, 'x_eval')
-        y_eval = apply(tf.cast(x_eval, dtype), None, False, None, towers)
-        loss = tf.add_n([tf.reduce_sum(tf.cast(y, tf.float32) * dy) for y, dy in zip(ys, dys)])
-        variables = tf1.trainable_variables()
-        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-                 for g in tf.gradients(loss, xs + variables)]   # (through tf.gather: sparse)
-        # The step applies SGD after every fetched output and gradient is computed:
-        # in TF1 behaviour (reference variables) a read aliases the variable, and
-        # the replaced layers' non-fused paths (tf-slim's, tf.layers') read gamma
-        # again in their backward pass, so an update of gamma running first would
-        # change their input gradient (this library copies its reads:
-        # test_read_races.py).
-        with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS) +
-                                     [tf.group(ys + grads)]):
-            if variables:
-                train = tf1.train.GradientDescentOptimizer(
-                    case.get('learning_rate', LEARNING_RATE)).apply_gradients(
-                    list(zip(grads[towers:], variables)))
-            else:
-                train = tf.no_op()
+        net = build_towers(apply, case, len(sizes))
+        variable_grads = net.grads[len(sizes):]
+        train = sgd_step(case, net, variable_grads)
         info = graph_info(graph)
-        config = tf1.ConfigProto(device_count={'CPU': towers})
-        arrays = {}
-        with tf1.Session(config=config) as sess:
-            sess.run(tf1.global_variables_initializer())
-            for step in range(STEPS):
-                feed = {}
-                for i in range(towers):
-                    feed[xs[i]] = data['x/%d' % step][rows[i]]
-                    feed[dys[i]] = data['dy/%d' % step][rows[i]]
-                    feed[ws[i]] = data['w/%d' % step][rows[i]]
-                if training is not True:
-                    feed[training] = True
-                y_parts, grad_values, _ = sess.run([ys, grads, train], feed)
-                arrays['y/%d' % step] = _unsplit(y_parts, rows)
-                arrays['dx/%d' % step] = _unsplit(grad_values[:towers], rows)
-                for v, g in zip(variables, grad_values[towers:]):
-                    arrays['grad/%d/%s' % (step, v.op.name)] = g
-                everything = tf1.global_variables()   # one run: one executor, not one each
-                for v, value in zip(everything, sess.run(everything)):
-                    arrays['var/%d/%s' % (step, v.op.name)] = value
-            feed = {x_eval: data['x/eval']}
-            if training is not True:
-                feed[training] = False
-            arrays['eval'] = np.asarray(sess.run(y_eval, feed), np.float32)
+        arrays = run_steps(net, train, variable_grads, case_data(case, index), rows,
+                           lambda parts: _unsplit(parts, rows))
     return arrays, info
+
+
+def build_towers(apply, case, towers):
+    """One run's towers of ``apply``, its inference call and the gradients, in the default graph.
+
+    Args:
+      apply: as :func:`train_case`'s.
+      case: the case dict.
+      towers: how many towers: one is built without any tower context, more
+        in ``tower.TowerContext`` on virtual CPUs (``/cpu:<i>``).
+
+    Returns:
+      A namespace: ``training`` (True, or a bool placeholder with
+      ``case['training_tensor']``); per tower, the placeholders ``xs`` (input),
+      ``dys`` (upstream gradient), ``ws`` (batch weights) and the output
+      ``ys``; ``x_eval`` and ``y_eval`` (the inference call); ``variables``
+      (the trainable ones); ``grads``: the gradients of ``sum(y * dy)`` with
+      respect to ``xs``, then ``variables`` (this graph's towers only).
+    """
+    shape = [None] + list(case['shape'][1:])
+    dtype = tf.as_dtype(case.get('dtype', 'float32'))
+    training = tf1.placeholder(tf.bool, [], 'training') if case.get('training_tensor') else True
+    xs, dys, ws, ys = [], [], [], []
+
+    def tower(i):
+        x = tf1.placeholder(tf.float32, shape, 'x')
+        dy = tf1.placeholder(tf.float32, shape, 'dy')
+        w = tf1.placeholder(tf.float32, [None], 'weights')
+        xs.append(x)
+        dys.append(dy)
+        ws.append(w)
+        ys.append(apply(tf.cast(x, dtype), w, training, i, towers))
+
+    if towers == 1:
+        tower(0)
+    else:
+        from tower import TowerContext  # noqa: PLC0415 - only the N-tower side
+        for i in range(towers):
+            with tf.device('/cpu:%d' % i), TowerContext('tower%d' % i, index=i, total=towers):
+                tower(i)
+    x_eval = tf1.placeholder(tf.float32, shape, 'x_eval')
+    y_eval = apply(tf.cast(x_eval, dtype), None, False, None, towers)
+    loss = tf.add_n([tf.reduce_sum(tf.cast(y, tf.float32) * dy) for y, dy in zip(ys, dys)])
+    variables = tf1.trainable_variables()
+    grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+             for g in tf.gradients(loss, xs + variables)]   # (through tf.gather: sparse)
+    return types.SimpleNamespace(training=training, xs=xs, dys=dys, ws=ws, ys=ys,
+                                 x_eval=x_eval, y_eval=y_eval, variables=variables, grads=grads)
+
+
+def sgd_step(case, net, variable_grads):
+    """The train op: one SGD step of ``net.variables`` by ``variable_grads``, with ``UPDATE_OPS``.
+
+    ``variable_grads``: ``net``'s own (one process), or their sum over processes.
+    """
+    # The step applies SGD after every fetched output and gradient is computed:
+    # in TF1 behaviour (reference variables) a read aliases the variable, and
+    # the replaced layers' non-fused paths (tf-slim's, tf.layers') read gamma
+    # again in their backward pass, so an update of gamma running first would
+    # change their input gradient (this library copies its reads:
+    # test_read_races.py).
+    with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS) +
+                                 [tf.group(net.ys + net.grads)]):
+        if not net.variables:
+            return tf.no_op()
+        return tf1.train.GradientDescentOptimizer(
+            case.get('learning_rate', LEARNING_RATE)).apply_gradients(
+            list(zip(variable_grads, net.variables)))
+
+
+def run_steps(net, train, variable_grads, data, rows, join, start=()):
+    """Runs ``STEPS`` steps of ``train`` and the inference call, in a new session of the graph.
+
+    Args:
+      net: :func:`build_towers`' namespace.
+      train: :func:`sgd_step`'s op.
+      variable_grads: the parameter gradients recorded (as :func:`sgd_step`'s).
+      data: :func:`case_data`'s arrays.
+      rows: the rows of ``data`` each tower is fed.
+      join: ``join(parts)``: the towers' parts of an output or input gradient
+        as one array.
+      start: ops run once after the variables are initialized.
+
+    Returns:
+      The arrays :func:`train_case` describes (``y`` and ``dx`` as ``join``
+      puts them).
+    """
+    towers = len(net.xs)
+    arrays = {}
+    with tf1.Session(config=tf1.ConfigProto(device_count={'CPU': towers})) as sess:
+        sess.run(tf1.global_variables_initializer())
+        for op in start:
+            sess.run(op)
+        for step in range(STEPS):
+            feed = {}
+            for i in range(towers):
+                feed[net.xs[i]] = data['x/%d' % step][rows[i]]
+                feed[net.dys[i]] = data['dy/%d' % step][rows[i]]
+                feed[net.ws[i]] = data['w/%d' % step][rows[i]]
+            if net.training is not True:
+                feed[net.training] = True
+            y_parts, dx_parts, grad_values, _ = sess.run(
+                [net.ys, net.grads[:towers], variable_grads, train], feed)
+            arrays['y/%d' % step] = join(y_parts)
+            arrays['dx/%d' % step] = join(dx_parts)
+            for v, g in zip(net.variables, grad_values):
+                arrays['grad/%d/%s' % (step, v.op.name)] = g
+            everything = tf1.global_variables()   # one run: one executor, not one each
+            for v, value in zip(everything, sess.run(everything)):
+                arrays['var/%d/%s' % (step, v.op.name)] = value
+        feed = {net.x_eval: data['x/eval']}
+        if net.training is not True:
+            feed[net.training] = False
+        arrays['eval'] = np.asarray(sess.run(net.y_eval, feed), np.float32)
+    return arrays
 
 
 def _unsplit(parts, rows):

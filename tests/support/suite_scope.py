@@ -33,11 +33,21 @@ def covering(cases, covering_cases):
     Raises:
       ValueError: when ``covering_cases`` holds a case that ``cases`` does not.
     """
-    cases, covering_cases = list(cases), list(covering_cases)
-    strangers = [c for c in covering_cases if c not in cases]
+    return subset(cases, covering_cases, not full(), 'covering: cases %r are not in the product.')
+
+
+def subset(cases, chosen, take_chosen, message):
+    """``chosen`` if ``take_chosen``, else ``cases``: as a list (what a run of the suite takes).
+
+    Raises:
+      ValueError: ``message % (strangers,)``, when ``chosen`` holds cases
+        (the strangers) that ``cases`` does not.
+    """
+    cases, chosen = list(cases), list(chosen)
+    strangers = [c for c in chosen if c not in cases]
     if strangers:
-        raise ValueError('covering: cases %r are not in the product.' % (strangers,))
-    return cases if full() else covering_cases
+        raise ValueError(message % (strangers,))
+    return chosen if take_chosen else cases
 
 
 def pairwise(*factors):

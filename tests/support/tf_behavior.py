@@ -27,6 +27,8 @@ process handling) run in the TF2-behaviour pass only.
 
 import os
 
+import suite_scope
+
 #: The environment variable that selects the behaviour: ``v1`` or ``v2``.
 VARIABLE = 'TF1_SYNCBN_TEST_BEHAVIOR'
 BEHAVIORS = ('v2', 'v1')
@@ -79,11 +81,8 @@ def pick(cases, v1_cases):
     Raises:
       ValueError: when ``v1_cases`` holds a case that ``cases`` does not.
     """
-    cases, v1_cases = list(cases), list(v1_cases)
-    strangers = [c for c in v1_cases if c not in cases]
-    if strangers:
-        raise ValueError('pick: v1 cases %r are not among the cases.' % (strangers,))
-    return v1_cases if is_v1() else cases
+    return suite_scope.subset(cases, v1_cases, is_v1(),
+                              'pick: v1 cases %r are not among the cases.')
 
 
 def flag():

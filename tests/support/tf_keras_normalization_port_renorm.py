@@ -69,6 +69,25 @@ def _adjustments():
     return scale, bias
 
 
+def _steps_with_adjustment(x, training, y, layer, scale, bias):
+    """Five steps on new random batches, as the original's adjustment cases run them.
+
+    Each step runs the layer in training (with its updates, and the random
+    ``adjustment`` of that run), then in inference (with its updates).
+
+    Yields:
+      ``(batch, training output, adjustment scale, adjustment bias, inference output)``.
+    """
+    with session() as sess:
+        sess.run(tf1.global_variables_initializer())
+        for _ in range(5):
+            batch = np.random.random(SHAPE)
+            train, scale_value, bias_value = sess.run(
+                [y, scale, bias] + layer.updates, feed_dict={x: batch, training: True})[:3]
+            test = sess.run([y] + layer.updates, feed_dict={x: batch, training: False})[0]
+            yield batch, train, scale_value, bias_value, test
+
+
 def testRenorm(layers):
     model = _Renorm(momentum=0.99, renorm_momentum=0.8)
     x = tf1.placeholder(tf.float32, SHAPE)
@@ -117,22 +136,16 @@ def testAdjustment(layers):
     scale, bias = _adjustments()
     training, y, layer = _layer(layers, x, momentum, adjustment=lambda _: (scale, bias))
     moving_mean, moving_variance = 0.0, 1.0
-    with session() as sess:
-        sess.run(tf1.global_variables_initializer())
-        for _ in range(5):
-            batch = np.random.random(SHAPE)
-            train, scale_value, bias_value = sess.run(
-                [y, scale, bias] + layer.updates, feed_dict={x: batch, training: True})[:3]
-            test = sess.run([y] + layer.updates, feed_dict={x: batch, training: False})[0]
-            mean, variance = batch.mean(0), batch.var(0)
-            normalized = (batch - mean) / (variance + EPSILON) ** 0.5
-            expected_train = (normalized * scale_value + bias_value) * GAMMA + BETA
-            moving_mean += (mean - moving_mean) * (1.0 - momentum)
-            moving_variance += (variance - moving_variance) * (1.0 - momentum)
-            expected_test = (batch - moving_mean) / (moving_variance + EPSILON) ** 0.5 * GAMMA \
-                + BETA
-            assert_all_close(expected_train, train, atol=1e-5, what='training output')
-            assert_all_close(expected_test, test, atol=1e-5, what='inference output')
+    for batch, train, scale_value, bias_value, test in _steps_with_adjustment(
+            x, training, y, layer, scale, bias):
+        mean, variance = batch.mean(0), batch.var(0)
+        normalized = (batch - mean) / (variance + EPSILON) ** 0.5
+        expected_train = (normalized * scale_value + bias_value) * GAMMA + BETA
+        moving_mean += (mean - moving_mean) * (1.0 - momentum)
+        moving_variance += (variance - moving_variance) * (1.0 - momentum)
+        expected_test = (batch - moving_mean) / (moving_variance + EPSILON) ** 0.5 * GAMMA + BETA
+        assert_all_close(expected_train, train, atol=1e-5, what='training output')
+        assert_all_close(expected_test, test, atol=1e-5, what='inference output')
 
 
 def testRenormWithAdjustment(layers):
@@ -141,16 +154,11 @@ def testRenormWithAdjustment(layers):
     scale, bias = _adjustments()
     training, y, layer = _layer(layers, x, 0.99, renorm=True, renorm_clipping=dict(CLIPPING),
                                 renorm_momentum=0.8, adjustment=lambda _: (scale, bias))
-    with session() as sess:
-        sess.run(tf1.global_variables_initializer())
-        for _ in range(5):
-            batch = np.random.random(SHAPE)
-            train, scale_value, bias_value = sess.run(
-                [y, scale, bias] + layer.updates, feed_dict={x: batch, training: True})[:3]
-            test = sess.run([y] + layer.updates, feed_dict={x: batch, training: False})[0]
-            normalized, stddev = model.train(batch, CLIPPING)
-            expected_train = (normalized * scale_value + bias_value) * GAMMA + BETA
-            model.update(batch, stddev)
-            expected_test = model.infer(batch)
-            assert_all_close(expected_train, train, atol=1e-5, what='training output')
-            assert_all_close(expected_test, test, atol=1e-5, what='inference output')
+    for batch, train, scale_value, bias_value, test in _steps_with_adjustment(
+            x, training, y, layer, scale, bias):
+        normalized, stddev = model.train(batch, CLIPPING)
+        expected_train = (normalized * scale_value + bias_value) * GAMMA + BETA
+        model.update(batch, stddev)
+        expected_test = model.infer(batch)
+        assert_all_close(expected_train, train, atol=1e-5, what='training output')
+        assert_all_close(expected_test, test, atol=1e-5, what='inference output')

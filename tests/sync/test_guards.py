@@ -16,7 +16,7 @@ import tensorflow as tf
 
 import tf_behavior
 from bn_reference import build_towers, towers_skipping_a_layer
-from conftest import make_session
+from conftest import assert_first_run_fails, make_session
 from tf1_syncbn import BatchNorm, BatchRenorm, CollectiveBackend, kernels, sync_batch_norm
 
 tf1 = tf.compat.v1
@@ -113,12 +113,8 @@ def test_a_tower_that_skips_a_slow_path_layer_fails_within_the_timeout(graph, pa
     """The fast path's guarantee (test_step_watchdog) holds for every other path too."""
     xs, ys = towers_skipping_a_layer(CollectiveBackend(timeout=2), layer=PATHS[path])
     feed = {x: np.ones((4, 4, 3), np.float32) for x in xs}
-    with make_session(graph, 2) as sess:
-        sess.run(tf1.global_variables_initializer())
-        start = time.time()
-        with pytest.raises(tf.errors.DeadlineExceededError, match='ran more than 2 s'):
-            sess.run(ys, feed)
-        assert time.time() - start < 60
+    assert_first_run_fails(graph, ys, feed, tf.errors.DeadlineExceededError, 'ran more than 2 s',
+                           devices=2, within=60)
 
 
 def _count_in_graph_def(graph, op_types):

@@ -9,7 +9,6 @@ import contextlib
 import re
 import subprocess
 import sys
-import time
 import warnings
 
 import numpy as np
@@ -17,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 import tf_behavior
-from conftest import make_session
+from conftest import assert_first_run_fails, make_session
 import tf1_syncbn
 from tf1_syncbn import BatchNorm, CollectiveBackend, SyncBNWarning, audit_graph, sync_batch_norm
 from tower import (TowerContext, register_tower_pattern, strip_tower_prefix,
@@ -93,14 +92,10 @@ def test_incomplete_tower_context_group_fails_at_the_first_run(graph):
             xs.append(x)
             ys.append(sync_batch_norm(x, scope='bn',
                                       sync_statistics=CollectiveBackend(timeout=120)))
-    with make_session(graph, 4) as sess:
-        sess.run(tf1.global_variables_initializer())
-        start = time.time()
-        with pytest.raises(tf.errors.InvalidArgumentError,
-                           match=r'bn \(a group of 4 towers: built by towers 0, 1, never by '
-                                 r'towers 2, 3\)'):
-            sess.run(ys, {x: np.ones((2, 3)) for x in xs})
-        assert time.time() - start < 60   # long before the collective timeout
+    assert_first_run_fails(   # long before the collective timeout
+        graph, ys, {x: np.ones((2, 3)) for x in xs}, tf.errors.InvalidArgumentError,
+        r'bn \(a group of 4 towers: built by towers 0, 1, never by towers 2, 3\)',
+        devices=4, within=60)
 
 
 def _two_towers(scope, xs=None):

@@ -19,6 +19,7 @@ thread's stack and exits (faulthandler), failing the job.
 """
 
 import faulthandler
+import functools
 import json
 import os
 import sys
@@ -34,9 +35,9 @@ tf_behavior.apply()
 import horovod.tensorflow as hvd  # noqa: E402
 
 import tf1_syncbn  # noqa: E402
-from parity_harness import LEARNING_RATE, STEPS, case_data, graph_info, tower_rows  # noqa: E402
+from parity_harness import (build_towers, case_data, graph_info, run_steps,  # noqa: E402
+                            sgd_step, tower_rows)
 from tf1_syncbn import layers as syncbn_layers  # noqa: E402
-from tower import TowerContext  # noqa: E402
 
 tf1 = tf.compat.v1
 OUT = sys.argv[1]
@@ -61,82 +62,30 @@ def ours(case, x, weights, training, tower, towers):
 
 
 def train_run(case, index, towers, sizes):
-    """Trains ``case`` on this process's ``towers`` towers; returns ``(arrays, info)``."""
+    """Trains ``case`` on this process's ``towers`` towers; returns ``(arrays, info)``.
+
+    ``parity_harness.train_case``'s run, with this process's rows of the
+    global batch, the parameter gradients summed over processes and the
+    variables broadcast from rank 0.
+    """
     rank = hvd.rank()
-    data = case_data(case, index)
     mine = tower_rows(case, sizes)[rank * towers:(rank + 1) * towers]
-    shape = [None] + list(case['shape'][1:])
-    dtype = tf.as_dtype(case.get('dtype', 'float32'))
     graph = tf.Graph()
     with graph.as_default():
-        training = tf1.placeholder(tf.bool, [], 'training') if case.get('training_tensor') \
-            else True
-        xs, dys, ws, ys = [], [], [], []
-
-        def tower(i):
-            x = tf1.placeholder(tf.float32, shape, 'x')
-            dy = tf1.placeholder(tf.float32, shape, 'dy')
-            w = tf1.placeholder(tf.float32, [None], 'weights')
-            xs.append(x)
-            dys.append(dy)
-            ws.append(w)
-            ys.append(ours(case, tf.cast(x, dtype), w, training, i, towers))
-
-        if towers == 1:
-            tower(0)
-        else:
-            for i in range(towers):
-                with tf.device('/cpu:%d' % i), TowerContext('tower%d' % i, index=i, total=towers):
-                    tower(i)
-        x_eval = tf1.placeholder(tf.float32, shape, 'x_eval')
-        y_eval = ours(case, tf.cast(x_eval, dtype), None, False, None, towers)
-        loss = tf.add_n([tf.reduce_sum(tf.cast(y, tf.float32) * dy) for y, dy in zip(ys, dys)])
-        variables = tf1.trainable_variables()
-        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-                 for g in tf.gradients(loss, xs + variables)]
+        net = build_towers(functools.partial(ours, case), case, towers)
         # The global gradient: this process's towers' sum, summed over processes.
         var_grads = [hvd.allreduce(g, op=hvd.Sum, name='grad_%d' % k)
-                     for k, g in enumerate(grads[towers:])]
-        # As parity_harness.train_case: SGD after every fetched output and gradient.
-        with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS) +
-                                     [tf.group(ys + grads)]):
-            if variables:
-                train = tf1.train.GradientDescentOptimizer(
-                    case.get('learning_rate', LEARNING_RATE)).apply_gradients(
-                    list(zip(var_grads, variables)))
-            else:
-                train = tf.no_op()
+                     for k, g in enumerate(net.grads[towers:])]
+        train = sgd_step(case, net, var_grads)
         broadcast = hvd.broadcast_global_variables(0)
         info = graph_info(graph)
         ops = graph.get_operations()
         info['horovod_allreduces'] = sum(1 for op in ops if op.type == 'HorovodAllreduce')
         info['collectives'] = sum(1 for op in ops if op.type == 'CollectiveReduce')
-        config = tf1.ConfigProto(device_count={'CPU': towers})
-        arrays = {'rows': np.concatenate(mine).astype(np.int64)}
-        with tf1.Session(config=config) as sess:
-            sess.run(tf1.global_variables_initializer())
-            sess.run(broadcast)
-            for step in range(STEPS):
-                feed = {}
-                for i in range(towers):
-                    feed[xs[i]] = data['x/%d' % step][mine[i]]
-                    feed[dys[i]] = data['dy/%d' % step][mine[i]]
-                    feed[ws[i]] = data['w/%d' % step][mine[i]]
-                if training is not True:
-                    feed[training] = True
-                y_parts, grad_values, global_grads, _ = sess.run(
-                    [ys, grads[:towers], var_grads, train], feed)
-                arrays['y/%d' % step] = np.concatenate(y_parts).astype(np.float32)
-                arrays['dx/%d' % step] = np.concatenate(grad_values).astype(np.float32)
-                for v, g in zip(variables, global_grads):
-                    arrays['grad/%d/%s' % (step, v.op.name)] = g
-                everything = tf1.global_variables()
-                for v, value in zip(everything, sess.run(everything)):
-                    arrays['var/%d/%s' % (step, v.op.name)] = value
-            feed = {x_eval: data['x/eval']}
-            if training is not True:
-                feed[training] = False
-            arrays['eval'] = np.asarray(sess.run(y_eval, feed), np.float32)
+        arrays = run_steps(net, train, var_grads, case_data(case, index), mine,
+                           lambda parts: np.concatenate(parts).astype(np.float32),
+                           start=[broadcast])
+    arrays['rows'] = np.concatenate(mine).astype(np.int64)
     return arrays, info
 
 

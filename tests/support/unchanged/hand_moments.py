@@ -6,19 +6,15 @@ switch. ``python -m tf1_syncbn.run --strict`` stops it before its first step
 Usage: ``python hand_moments.py TOWERS OUT.npz``.
 """
 
-import sys
-
-import numpy as np
 import tensorflow as tf
 
 import tf_behavior
+from unchanged.common import BATCH, arguments, data, train_and_save
 
 tf_behavior.apply()
 tf1 = tf.compat.v1
-TOWERS, OUT = int(sys.argv[1]), sys.argv[2]
-BATCH = 8
-RNG = np.random.RandomState(4)
-DATA = (RNG.randn(BATCH, 5) * 2 + 1).astype(np.float32)
+TOWERS, OUT = arguments()
+DATA, _ = data(seed=4)
 
 
 def batch_norm(x, decay=0.9):
@@ -50,9 +46,4 @@ grads = [(tf.add_n([g for g, _ in pairs]) / TOWERS, pairs[0][1]) for pairs in zi
 with tf.control_dependencies(updates):
     train_op = opt.apply_gradients(grads)
 
-config = tf1.ConfigProto(device_count={'CPU': TOWERS}, allow_soft_placement=True)
-with tf1.Session(config=config) as sess:
-    sess.run(tf1.global_variables_initializer())
-    sess.run(train_op, {images: DATA})
-    print('step 1 done', flush=True)
-    np.savez(OUT, **{v.op.name: sess.run(v) for v in tf1.global_variables()})
+train_and_save(train_op, images, DATA, TOWERS, OUT)

@@ -6,21 +6,16 @@ every tower), the updates of each tower's call run with the train op. Needs tf-k
 Usage: ``python keras_towers.py TOWERS OUT.npz`` (the global batch is split into TOWERS).
 """
 
-import sys
-
-import numpy as np
 import tensorflow as tf
 
 import tf_behavior
+from unchanged.common import BATCH, arguments, data, train_and_save
 
 tf_behavior.apply()
 tf1 = tf.compat.v1
 keras = tf.keras
-TOWERS, OUT = int(sys.argv[1]), sys.argv[2]
-BATCH, STEPS = 8, 2
-RNG = np.random.RandomState(2)
-DATA = (RNG.randn(STEPS, BATCH, 5) * 2 + 1).astype(np.float32)
-W = RNG.randn(5, 4).astype(np.float32)
+TOWERS, OUT = arguments()
+DATA, W = data(seed=2)
 
 model = keras.Sequential([
     keras.layers.Dense(4, use_bias=False, kernel_initializer=keras.initializers.Constant(W)),
@@ -42,10 +37,4 @@ grads = [(tf.add_n([g for g, _ in pairs]) / TOWERS, pairs[0][1]) for pairs in zi
 with tf.control_dependencies(updates):
     train_op = opt.apply_gradients(grads)
 
-config = tf1.ConfigProto(device_count={'CPU': TOWERS}, allow_soft_placement=True)
-with tf1.Session(config=config) as sess:
-    sess.run(tf1.global_variables_initializer())
-    for step in range(STEPS):
-        sess.run(train_op, {images: DATA[step]})
-        print('step %d done' % (step + 1), flush=True)
-    np.savez(OUT, **{v.name: sess.run(v) for v in model.weights})
+train_and_save(train_op, images, DATA, TOWERS, OUT, model.weights)

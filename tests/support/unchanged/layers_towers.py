@@ -5,24 +5,15 @@ Usage: ``python layers_towers.py TOWERS OUT.npz`` (the global batch is split int
 ``{worker}`` in OUT becomes the worker's index in ``TF_CONFIG``, for runs under the launcher).
 """
 
-import json
-import os
-import sys
-
-import numpy as np
 import tensorflow as tf
 
 import tf_behavior
+from unchanged.common import BATCH, arguments, data, train_and_save
 
 tf_behavior.apply()
 tf1 = tf.compat.v1
-TOWERS = int(sys.argv[1])
-OUT = sys.argv[2].replace('{worker}', str(json.loads(os.environ.get('TF_CONFIG') or '{}')
-                                          .get('task', {}).get('index', 0)))
-BATCH, STEPS = 8, 2
-RNG = np.random.RandomState(0)
-DATA = (RNG.randn(STEPS, BATCH, 5) * 2 + 1).astype(np.float32)
-W = RNG.randn(5, 4).astype(np.float32)
+TOWERS, OUT = arguments()
+DATA, W = data(seed=0)
 
 
 def tower_loss(x):
@@ -49,10 +40,4 @@ with tf1.variable_scope(tf1.get_variable_scope()):
 apply_gradient_op = opt.apply_gradients(average_gradients(tower_grads))
 train_op = tf.group(apply_gradient_op, *batchnorm_updates)
 
-config = tf1.ConfigProto(device_count={'CPU': TOWERS}, allow_soft_placement=True)
-with tf1.Session(config=config) as sess:
-    sess.run(tf1.global_variables_initializer())
-    for step in range(STEPS):
-        sess.run(train_op, {images: DATA[step]})
-        print('step %d done' % (step + 1), flush=True)
-    np.savez(OUT, **{v.op.name: sess.run(v) for v in tf1.global_variables()})
+train_and_save(train_op, images, DATA, TOWERS, OUT)

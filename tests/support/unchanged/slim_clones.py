@@ -6,21 +6,16 @@ the first clone's ``UPDATE_OPS``. Unchanged under ``python -m tf1_syncbn.run``
 Usage: ``python slim_clones.py CLONES OUT.npz`` (the global batch is split into CLONES).
 """
 
-import sys
-
-import numpy as np
 import tensorflow as tf
 import tf_slim as slim
 
 import tf_behavior
+from unchanged.common import BATCH, arguments, data, train_and_save
 
 tf_behavior.apply()
 tf1 = tf.compat.v1
-CLONES, OUT = int(sys.argv[1]), sys.argv[2]
-BATCH, STEPS = 8, 2
-RNG = np.random.RandomState(1)
-DATA = (RNG.randn(STEPS, BATCH, 5) * 2 + 1).astype(np.float32)
-W = RNG.randn(5, 4).astype(np.float32)
+CLONES, OUT = arguments()
+DATA, W = data(seed=1)
 
 
 def clone_fn(x):
@@ -46,10 +41,4 @@ grads = [(tf.add_n([g for g, _ in pairs]), pairs[0][1]) for pairs in zip(*clone_
 with tf.control_dependencies(update_ops):
     train_op = opt.apply_gradients(grads)
 
-config = tf1.ConfigProto(device_count={'CPU': CLONES}, allow_soft_placement=True)
-with tf1.Session(config=config) as sess:
-    sess.run(tf1.global_variables_initializer())
-    for step in range(STEPS):
-        sess.run(train_op, {images: DATA[step]})
-        print('step %d done' % (step + 1), flush=True)
-    np.savez(OUT, **{v.op.name: sess.run(v) for v in tf1.global_variables()})
+train_and_save(train_op, images, DATA, CLONES, OUT)

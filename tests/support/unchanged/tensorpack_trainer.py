@@ -10,7 +10,6 @@ Usage: ``python tensorpack_trainer.py TOWERS OUT.npz`` (each step's global batch
 """
 
 import os
-import sys
 import tempfile
 
 import numpy as np
@@ -22,15 +21,13 @@ from tensorpack import (BatchData, BatchNorm, DataFromList, FullyConnected, Mode
 
 import tf_behavior
 from tensorpack_devices import towers_on_virtual_cpus
+from unchanged.common import BATCH, STEPS, arguments, data
 
 tf_behavior.apply()
 towers_on_virtual_cpus()
 tf1 = tf.compat.v1
-TOWERS, OUT = int(sys.argv[1]), sys.argv[2]
-BATCH, STEPS = 8, 2
-RNG = np.random.RandomState(3)
-DATA = (RNG.randn(STEPS * BATCH, 5) * 2 + 1).astype(np.float32)
-W = RNG.randn(5, 4).astype(np.float32)
+TOWERS, OUT = arguments()
+DATA, W = data(seed=3)
 
 
 class Model(ModelDesc):
@@ -49,8 +46,9 @@ class Model(ModelDesc):
 
 checkpoints = tempfile.mkdtemp()
 config = TrainConfig(
-    model=Model(), dataflow=BatchData(DataFromList([[row] for row in DATA], shuffle=False),
-                                      BATCH // TOWERS),
+    model=Model(),
+    dataflow=BatchData(DataFromList([[row] for batch in DATA for row in batch], shuffle=False),
+                       BATCH // TOWERS),
     callbacks=[ModelSaver(checkpoint_dir=checkpoints)], monitors=[],
     # More inter-op threads than towers: tensorpack's StagingInput blocks one per tower.
     session_config=tf1.ConfigProto(device_count={'CPU': TOWERS}, allow_soft_placement=True,
