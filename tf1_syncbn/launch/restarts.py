@@ -29,10 +29,12 @@ not the processes (those are :class:`tf1_syncbn.launch.Launcher`'s):
 This module imports nothing (no TensorFlow, no other module of the package).
 """
 
+import dataclasses
 import os
 import re
 import signal
 import time
+import typing
 
 __all__ = ['RestartLoop', 'Restart', 'WorkerExit', 'restart_env', 'restart_count',
            'start_line', 'parse_start_line', 'exit_status', 'describe_exit', 'first_failure',
@@ -83,10 +85,11 @@ def shorten(line, width=200):
     return '%s ... %s' % (head.rstrip(), tail.lstrip())
 
 
-class WorkerExit(object):
+@dataclasses.dataclass(eq=False)
+class WorkerExit:
     """How and when one worker of an attempt ended.
 
-    Args and attributes:
+    Attributes:
       worker: its task index.
       code: its ``Popen.returncode`` (``-9`` for SIGKILL).
       ended_at: the ``time.time()`` at which it ended: as its supervisor
@@ -100,13 +103,12 @@ class WorkerExit(object):
         before the launcher has read it all).
     """
 
-    def __init__(self, worker, code, ended_at, exact=True, stopped=False, last_line=None):
-        self.worker = worker
-        self.code = code
-        self.ended_at = ended_at
-        self.exact = exact
-        self.stopped = stopped
-        self.last_line = last_line
+    worker: int
+    code: int
+    ended_at: float
+    exact: bool = True
+    stopped: bool = False
+    last_line: typing.Optional[str] = None
 
     @property
     def cause(self):
