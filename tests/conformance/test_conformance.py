@@ -50,9 +50,13 @@ HERE = [cell for cell in CELLS if cell.kernel_set in kernel_sets()]
 STOCK_ELSEWHERE = [cell for cell in CELLS if cell.kernel_set not in kernel_sets()]
 
 
+#: The marks a column's cells may carry (``make test-tf<v>`` collects the modules that name
+#: ``pytest.mark.versions``: the Estimator's cells run in the version subset on 2.15).
+MARKS = {'versions': pytest.mark.versions}
+
+
 def _param(cell):
-    marks = [getattr(pytest.mark, mark) for mark in cell.harness.marks]
-    return pytest.param(cell, id=cell.id, marks=marks)
+    return pytest.param(cell, id=cell.id, marks=[MARKS[mark] for mark in cell.harness.marks])
 
 
 def _requests(cells):

@@ -232,6 +232,10 @@ class _Graph(object):
             params.append((cell, names, trainable))
             record['cells'][cell.id] = {'outputs': outputs}
         if failed:
+            if len(self.cells) == 1:
+                # The cell's own error, as a user's script gets it (tf.estimator's AutoGraph
+                # passes a ValueError or TypeError on as one, not an exception of ours).
+                raise _tag(failed[self.cells[0].id], self.cells[0])
             # Every cell that failed in this tower, at once: the graph is built again
             # without them (_run_part), each with its own error.
             raise _Failed(failed)
