@@ -15,13 +15,17 @@ ROOT = os.path.dirname(HERE)
 #: The helpers (tf_behavior, references, the scripts the tests start): tests/support.
 SUPPORT = os.path.join(HERE, 'support')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-# Scripts the tests start import tf_behavior (and the packages) from here.
-os.environ['PYTHONPATH'] = os.pathsep.join(
-    [SUPPORT, ROOT] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p])
+if SUPPORT not in sys.path:
+    sys.path.insert(0, SUPPORT)
+import support_paths  # noqa: E402
+
+# Scripts the tests start import tf_behavior (and the packages) from here: tests/support and
+# its for_<package>/ folders (support_paths), then the root.
+os.environ['PYTHONPATH'] = support_paths.pythonpath(os.environ.get('PYTHONPATH'))
 # The test modules, in tests/<package>/, import the helpers and conftest by name.
-for _path in (HERE, SUPPORT):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+support_paths.install()
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -20,8 +20,12 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, 'docs', 'conformance.md')
-sys.path[:0] = [os.path.join(ROOT, 'tests', 'support'), ROOT]
+sys.path.insert(0, os.path.join(ROOT, 'tests', 'support'))
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+
+import support_paths  # noqa: E402
+
+support_paths.install()   # tests/support, its for_<package>/ folders, the root
 
 from conformance import front_ends, harnesses, matrix, options  # noqa: E402
 

@@ -1,12 +1,12 @@
 """``tf1_syncbn.audit_graph`` and ``python -m tf1_syncbn.audit`` on graphs built as users do.
 
 Each graph comes from a harness written as its users write it
-(``tests/support/audit_cases.py``): classic ``tower_%d`` loops keeping the last
+(``tests/support/for_audit/audit_cases.py``): classic ``tower_%d`` loops keeping the last
 tower's ``UPDATE_OPS``, tf-slim ``model_deploy``'s ``clone_%d`` keeping the
 first's, ``tower.call_for_each_tower``, ``MirroredStrategy.run``, tensorpack's
 own trainers, and ``tf_slim.nets`` ResNets through ``sync_arg_scope``. The
 plain layers (tf-slim's, ``tf.layers``', Keras', tensorpack's own) only run
-with legacy Keras: ``tests/support/audit_legacy_graphs.py`` builds those graphs in
+with legacy Keras: ``tests/support/for_audit/audit_legacy_graphs.py`` builds those graphs in
 a subprocess and exports them as ``MetaGraphDef`` files, which are audited
 here, as the command line does. Every broken case must be flagged naming
 its layer (and only its problems), every correct case must be clean.
@@ -34,7 +34,7 @@ tf1 = tf.compat.v1
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 #: The helpers and the scripts the tests start.
-SUPPORT = os.path.join(ROOT, 'tests', 'support')
+SUPPORT = os.path.join(ROOT, 'tests', 'support', 'for_audit')
 
 #: (kind, text every problem of that kind contains).
 KINDS = [('per_tower', "normalizes each tower with its own batch's statistics"),

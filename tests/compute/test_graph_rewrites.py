@@ -35,7 +35,8 @@ import graph_rewrites_case as case
 import tf_behavior
 
 #: The case script the subprocesses run.
-SUPPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'support')
+SUPPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'support',
+                       'for_compute')
 XLA_CASES = [
     ('custom', 'session-config', {'jit': True}, '--tf_xla_cpu_global_jit', {}),
     ('stock', 'TF_XLA_FLAGS+AMP', {'amp_api': True}, '--tf_xla_auto_jit=2 --tf_xla_cpu_global_jit',

@@ -40,14 +40,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import support_paths
 import tf_behavior
 
 pytestmark = pytest.mark.versions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-#: The helpers and the scripts the tests start.
-SUPPORT = os.path.join(ROOT, 'tests', 'support')
 
 SCRIPT = tf_behavior.SOURCE + r'''
 import functools, importlib, json, sys, types, warnings
@@ -253,7 +252,7 @@ def _one_device():
 def _run(setting):
     env = {k: v for k, v in os.environ.items() if k != 'TF_USE_LEGACY_KERAS'}
     env.update(SETTINGS[setting], TF_CPP_MIN_LOG_LEVEL='3',
-               PYTHONPATH=os.pathsep.join([SUPPORT, ROOT]))
+               PYTHONPATH=support_paths.pythonpath())
     run = subprocess.run([sys.executable, '-c', SCRIPT], env=env, cwd=ROOT, text=True,
                          capture_output=True, timeout=280)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]

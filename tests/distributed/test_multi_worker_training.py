@@ -1,6 +1,6 @@
 """Multi-worker training with real worker processes on localhost (2 workers x 2 towers).
 
-The job is ``tests/support/multi_worker_job.py`` (a tiny model with sync_batch_norm,
+The job is ``tests/support/for_distributed/multi_worker_job.py`` (a tiny model with sync_batch_norm,
 dense and sparse gradients, momentum), started by :class:`tf1_syncbn.launch.Launcher`.
 The reference is the same job on one worker with 4 towers, run in this
 process, whose gradients go through ``tower.average_gradients``.
@@ -28,7 +28,7 @@ import tf_behavior
 from tf1_syncbn.launch import Launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-JOB = os.path.join(ROOT, 'tests', 'support', 'multi_worker_job.py')
+JOB = os.path.join(ROOT, 'tests', 'support', 'for_distributed', 'multi_worker_job.py')
 STEPS = 6
 SAVE_EVERY = 3
 COLLECTIVE_TIMEOUT = 8.0

@@ -3,8 +3,8 @@
 Per-worker groups (``group_size=2``), groups across the workers
 (``[[0, 2], [1, 3]]``), each tower alone (``group_size=1``) and one tower alone
 next to a group of three (``[[0], [1, 2, 3]]``, ``[[0, 1, 2], [3]]``), in one
-graph (``tests/support/sync_groups_workers.py``): every tower's outputs and input gradients
-equal float64 batch norm on its group's concatenated batch, and every worker's
+graph (``tests/support/for_distributed/sync_groups_workers.py``): every tower's outputs and
+input gradients equal float64 batch norm on its group's concatenated batch, and every worker's
 moving statistics are those of worker 0's main tower's group (global tower 0),
 identical on both workers.
 """
@@ -15,13 +15,14 @@ import sys
 
 import numpy as np
 
+import support_paths
 import sync_groups_workers as job
 import tf_behavior
 from bn_reference import bn_backward, bn_forward
 from tf1_syncbn.launch import Launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SUPPORT = os.path.join(ROOT, 'tests', 'support')
+SUPPORT = os.path.join(ROOT, 'tests', 'support', 'for_distributed')
 
 EPS = 1e-3
 #: layer -> its groups of global towers
@@ -32,7 +33,7 @@ GROUPS = {'per_worker': [[0, 1], [2, 3]], 'across': [[0, 2], [1, 3]],
 
 def test_two_workers_of_two_towers_in_groups_equal_their_groups_references():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2',
-               PYTHONPATH=os.pathsep.join([ROOT, SUPPORT, os.environ.get('PYTHONPATH', '')]))
+               PYTHONPATH=support_paths.pythonpath(os.environ.get('PYTHONPATH')))
     launcher = Launcher([sys.executable, os.path.join(SUPPORT, 'sync_groups_workers.py')] +
                         tf_behavior.flag(), 2, env=env, output=None).start()
     status = launcher.wait(timeout=300)

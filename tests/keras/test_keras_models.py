@@ -204,7 +204,7 @@ def tensorpack_dir(tmp_path_factory):
     config = {'towers': [len(SIZES)], 'steps': app.STEPS, 'global_batch': sum(SIZES),
               'shape': list(app.INPUT)}
     with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'support',
-                           'keras_tensorpack.py')) as f:
+                           'for_keras', 'keras_tensorpack.py')) as f:
         run_reference(f.read(), tmp, args=[str(tmp / 'out'), json.dumps(config),
                                            str(tmp / 'keras_model_reference.npz')], timeout=600)
     return tmp

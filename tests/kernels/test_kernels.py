@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import support_paths
 from bn_reference import build_towers
 from conftest import make_session
 from tf1_syncbn import CollectiveBackend, kernels, sync_batch_norm
@@ -29,9 +30,8 @@ def _op_types(graph):
 
 
 def _subprocess_env(**extra):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3', PYTHONPATH=ROOT + os.pathsep +
-               os.path.join(ROOT, 'tests', 'support') + os.pathsep +
-               os.path.join(ROOT, 'tests'))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3', PYTHONPATH=support_paths.pythonpath(
+                   os.path.join(ROOT, 'tests')))
     env.update(extra)
     return env
 

@@ -36,6 +36,7 @@ import pytest
 import tensorflow as tf
 
 import strategy_case
+import support_paths
 import tf_behavior
 from legacy_reference import run_reference
 from layers_reference import STRATEGY_LAYERS
@@ -46,7 +47,7 @@ from tf_layers_script import STYLES
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 #: The helpers and the scripts the tests start.
-SUPPORT = os.path.join(ROOT, 'tests', 'support')
+SUPPORT = os.path.join(ROOT, 'tests', 'support', 'for_layers')
 KERAS_3_ERROR = 'AttributeError: `%s` is not available with Keras 3.'
 
 
@@ -68,7 +69,7 @@ def _run_patched_script(tmp_path, legacy):
     env = {k: v for k, v in os.environ.items() if k != 'TF_USE_LEGACY_KERAS'}
     if legacy:
         env['TF_USE_LEGACY_KERAS'] = '1'
-    env.update(TF_CPP_MIN_LOG_LEVEL='3', PYTHONPATH=os.pathsep.join([SUPPORT, ROOT]))
+    env.update(TF_CPP_MIN_LOG_LEVEL='3', PYTHONPATH=support_paths.pythonpath())
     out = str(tmp_path / 'ours.npz')
     proc = subprocess.run([sys.executable, os.path.join(SUPPORT, 'run_patched_script.py'), '4',
                            out], env=env, cwd=str(tmp_path), capture_output=True, text=True,

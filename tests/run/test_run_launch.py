@@ -16,6 +16,7 @@ import sys
 import numpy as np
 import pytest
 
+import support_paths
 from unchanged import harness
 
 #: The launcher's process handling, whatever the TF behaviour: the TF2-behaviour pass only.
@@ -27,8 +28,7 @@ LAUNCH = os.path.join(harness.ROOT, 'tf1_syncbn', 'launch')
 def test_the_variable_switches_every_worker_the_launcher_starts(tmp_path):
     reference, control = harness.plain_runs('layers_towers.py', tmp_path, 2)
     assert harness.differs(control, reference)
-    support = os.path.dirname(harness.HERE)
-    env = dict(os.environ, PYTHONPATH=harness.site_with_hook(tmp_path, [support, harness.ROOT]),
+    env = dict(os.environ, PYTHONPATH=harness.site_with_hook(tmp_path, support_paths.paths()),
                TF1_SYNCBN_RUN='--num-dev 2 --report %s' % (tmp_path / 'report.json'),
                TF_CPP_MIN_LOG_LEVEL='3')
     proc = subprocess.run(

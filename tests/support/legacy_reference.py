@@ -10,8 +10,7 @@ a line ``RESULT <path to .npz>``.
 import os
 
 import forked
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+import support_paths
 
 SHIM = '''
 import importlib, sys
@@ -50,7 +49,7 @@ def run_reference(code, tmp_path, args=(), timeout=300, env=None):
     script = tmp_path / 'reference_script.py'
     script.write_text(SHIM + code)
     env = dict(os.environ, TF_USE_LEGACY_KERAS='1', TF_CPP_MIN_LOG_LEVEL='3',
-               PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(os.path.dirname(HERE))]),
+               PYTHONPATH=support_paths.pythonpath(),
                **(env or {}))
     status, stdout, stderr = forked.run_python([str(script)] + list(args), tmp_path, env,
                                                timeout)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import support_paths
 from bn_reference import towers_skipping_a_layer
 from conftest import assert_first_run_fails, make_session
 from tf1_syncbn import CollectiveBackend, kernels, sync_batch_norm
@@ -146,7 +147,7 @@ for _ in range(8):
 print('survived')
 '''
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3',
-               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, 'tests', 'support')]))
+               PYTHONPATH=support_paths.pythonpath())
     out = subprocess.run([sys.executable, '-c', code], env=env, cwd=ROOT, capture_output=True,
                          text=True, timeout=240)
     assert out.returncode == 0 and out.stdout.strip() == 'survived', \

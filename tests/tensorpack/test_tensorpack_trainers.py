@@ -1,6 +1,6 @@
 """tensorpack 0.11's own trainers and predictor with tf1_syncbn's layers plugged in.
 
-``tests/support/tensorpack_harness.py`` runs, in one subprocess with legacy Keras:
+``tests/support/for_tensorpack/tensorpack_harness.py`` runs, in one subprocess with legacy Keras:
 tensorpack's ``SimpleTrainer`` with tensorpack's own ``BatchNorm`` on the
 whole batch (the reference), and tensorpack's ``SyncMultiGPUTrainerParameterServer``
 and ``SyncMultiGPUTrainerReplicated`` on 2 and 4 virtual-CPU towers with
@@ -32,7 +32,8 @@ import suite_scope
 import tf_behavior
 from legacy_reference import run_reference
 
-SUPPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'support')
+SUPPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'support',
+                       'for_tensorpack')
 KINDS = ('ps', 'replicated', 'patched')
 FORMATS = ('channels_last', 'channels_first')
 KERNEL_SET_NAMES = ('custom', 'stock')

@@ -1,6 +1,6 @@
 """MultiWorkerMirroredStrategy (v1) across 2 worker processes equals tf-slim on one device.
 
-Two local worker processes (``tests/support/distribute_worker.py``, each with its own
+Two local worker processes (``tests/support/for_tower/distribute_worker.py``, each with its own
 ``TF_CONFIG``, forked by one interpreter that imported TensorFlow: ``--fork``) each run one
 replica of ``tf.compat.v1.distribute.experimental.MultiWorkerMirroredStrategy``
 in a TF1 graph, with a ``tf.distribute.Server`` and a session on its target,
@@ -36,7 +36,7 @@ from strategy_case import STEPS
 from tf1_syncbn.launch import free_ports, tf_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WORKER = os.path.join(ROOT, 'tests', 'support', 'distribute_worker.py')
+WORKER = os.path.join(ROOT, 'tests', 'support', 'for_tower', 'distribute_worker.py')
 TOTAL = 8
 #: name: (rows per worker, --sync)
 ALL_RUNS = {'uneven': ('3,5', 'auto'), 'chief-empty': ('0,8', 'auto'),

@@ -3,7 +3,7 @@
     TF_USE_LEGACY_KERAS=1 horovodrun -np 2 -H localhost:2 --gloo \\
         python tensorpack_horovod_worker.py OUT_DIR CONFIG_JSON
 
-Reuses ``tests/support/tensorpack_harness.py`` (its model, data, loss recorder and
+Reuses ``tests/support/for_tensorpack/tensorpack_harness.py`` (its model, data, loss recorder and
 result files; importing it reads ``OUT_DIR`` and ``CONFIG_JSON`` from argv).
 Each process trains on its own half of every global batch (tensorpack's
 Horovod convention: one tower per process, each with its own input), with:

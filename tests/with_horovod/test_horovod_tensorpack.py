@@ -2,7 +2,7 @@
 
 ``tensorpack_horovod_worker.py`` runs, in 2 processes with legacy Keras (which
 tensorpack 0.11 needs on TF 2.21), tensorpack's ``HorovodTrainer`` on the
-conv net of ``tests/support/tensorpack_harness.py``, each process fed its half of
+conv net of ``tests/support/for_tensorpack/tensorpack_harness.py``, each process fed its half of
 every global batch, with ``tf1_syncbn.BatchNorm(sync_statistics='horovod')``
 (channels last and first) and with tensorpack's own ``BatchNorm`` switched by
 ``tf1_syncbn.patch_tensorpack(sync_statistics='horovod')``: the losses of

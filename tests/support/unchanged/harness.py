@@ -18,6 +18,7 @@ import shutil
 import numpy as np
 
 import forked
+import support_paths
 from legacy_reference import run_reference
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -26,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 STARTUP = os.path.join(ROOT, 'tf1_syncbn', 'run', 'startup.py')
 #: The environment of the scripts that need tf-keras as ``tf.keras`` (run_reference's).
 LEGACY = {'TF_USE_LEGACY_KERAS': '1', 'TF_CPP_MIN_LOG_LEVEL': '3',
-          'PYTHONPATH': os.pathsep.join([os.path.dirname(HERE), ROOT])}
+          'PYTHONPATH': support_paths.pythonpath()}
 
 #: Runs the script twice, as ``python script.py`` would each time, in one process.
 _TWICE = '''

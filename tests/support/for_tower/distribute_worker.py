@@ -35,9 +35,9 @@ import json
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+SUPPORT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, SUPPORT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(SUPPORT)))
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
 import numpy as np  # noqa: E402

@@ -1,7 +1,7 @@
 """Training graphs built the ways users build them, for the audit's tests.
 
 Imported by ``tests/audit/test_audit.py`` (this library's layers, in the test
-process) and by ``tests/support/audit_legacy_graphs.py`` (tf-slim's, ``tf.layers``',
+process) and by ``tests/support/for_audit/audit_legacy_graphs.py`` (tf-slim's, ``tf.layers``',
 Keras' and tensorpack's own layers, in a subprocess with legacy Keras). The
 batch norm comes in as a function, so the same harness builds either.
 

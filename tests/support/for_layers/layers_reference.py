@@ -38,6 +38,7 @@ tf1 = tf.compat.v1
 import tf_behavior  # the case's TF behaviour (TF1_SYNCBN_TEST_BEHAVIOR)
 tf_behavior.apply()
 from parity_harness import train_case
+import layers_cases
 from layers_cases import PARITY_CASES, SCENARIOS, parity_apply, run_scenario
 import getter_case
 import strategy_case
@@ -74,7 +75,7 @@ checkpoint = os.path.abspath('tf_layers_checkpoint')
 strategy_case.train(layer, [8], checkpoint_out=checkpoint)
 keep('restored', strategy_case.train(layer, [8], checkpoint_in=checkpoint))
 sys.argv = ['tf_layers_script.py', '1', os.path.abspath('script.npz')]
-runpy.run_path(os.path.join(os.path.dirname(strategy_case.__file__), 'tf_layers_script.py'),
+runpy.run_path(os.path.join(os.path.dirname(layers_cases.__file__), 'tf_layers_script.py'),
                run_name='__main__')
 getter_arrays, getter_errors = getter_case.run_legacy_cases()
 for key, values in getter_arrays.items():

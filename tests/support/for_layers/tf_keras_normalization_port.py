@@ -47,9 +47,9 @@ comparisons name what they compare.
 module, each in a legacy-Keras subprocess in the TF behaviour of the test run.
 By hand (``tests/conftest.py`` applies ``$TF1_SYNCBN_TEST_BEHAVIOR``)::
 
-    TF_USE_LEGACY_KERAS=1 TF1_SYNCBN_PORT_LAYERS=keras PYTHONPATH=tests \\
+    TF_USE_LEGACY_KERAS=1 TF1_SYNCBN_PORT_LAYERS=keras PYTHONPATH=tests/support/for_layers \\
         .venv/bin/python -m pytest -p tf_keras_normalization_port \\
-        tests/support/tf_keras_normalization_port_*.py
+        tests/support/for_layers/tf_keras_normalization_port_*.py
 """
 
 import contextlib
