@@ -91,3 +91,32 @@ def test_float16_rewrite_keeps_the_synchronization_in_float32(plain):
     for key, value in plain['variables'].items():
         np.testing.assert_allclose(result['variables'][key], value, rtol=5e-3, atol=5e-3,
                                    err_msg=key)
+
+
+@pytest.mark.parametrize('layer', ['sync_batch_norm', 'moments'])
+def test_every_op_in_a_tensor_training_branch_stays_out_of_xla_clusters(graph, layer):
+    """With a tensor ``is_training`` the layer's ops are in a ``tf.cond``'s branches: in TF2
+    behaviour those are function graphs of their own (inlined before XLA clusters the graph),
+    which the attribute scope entered around the call does not reach. Each op of the layer,
+    in the graph or in a branch, carries ``_XlaCompile=False``."""
+    import tensorflow as tf  # noqa: PLC0415
+    import tf1_syncbn  # noqa: PLC0415
+    tf1 = tf.compat.v1
+    training = tf1.placeholder_with_default(True, [])
+    for i in range(2):
+        with tf.device('/cpu:%d' % i), tf1.name_scope('tower_%d' % i):
+            x = tf1.placeholder(tf.float32, [None, 3, 3, 4])
+            if layer == 'moments':
+                tf1_syncbn.moments(x, [0, 1, 2], training=training, num_dev=2)
+            else:
+                tf1_syncbn.sync_batch_norm(x, is_training=training, num_dev=2, scope='bn',
+                                           reuse=i > 0)
+    definition = graph.as_graph_def()
+    nodes = [(None, n) for n in definition.node if n.name.startswith('tower_')] + [
+        (f.signature.name, n) for f in definition.library.function for n in f.node_def]
+    assert any(where is not None for where, _ in nodes) == (not tf_behavior.is_v1()), \
+        'TF2 behaviour builds the branches as functions, TF1 behaviour in the graph'
+    loose = ['%s/%s' % (where, n.name) if where else n.name for where, n in nodes
+             if n.op not in ('Placeholder', 'NoOp') and
+             not ('_XlaCompile' in n.attr and n.attr['_XlaCompile'].b is False)]
+    assert not loose, loose

@@ -146,6 +146,12 @@ def _switch(x, layout, options, params, plan, weights, training, renorm_reads):
     bessel = []
 
     def train_branch():
+        # In TF2 behaviour a branch is a graph of its own, which the call's
+        # outside_xla_clusters() does not reach: each branch enters it again.
+        with outside_xla_clusters():
+            return _train_outputs()
+
+    def _train_outputs():
         y, st = _normalize.train(x, layout, options, params, plan, weights, renorm_reads)
         bessel.append(st.bessel)
         # The gradient of tf.cond differentiates every output of a branch (with
@@ -156,6 +162,10 @@ def _switch(x, layout, options, params, plan, weights, training, renorm_reads):
         return (y,) + tuple(stats)
 
     def infer_branch():
+        with outside_xla_clusters():
+            return _infer_outputs()
+
+    def _infer_outputs():
         y = _normalize.infer(x, layout, options, params)
         stats = (read(params.moving_mean), read(params.moving_variance),
                  tf.zeros([], tf.float32))

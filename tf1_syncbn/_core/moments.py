@@ -105,8 +105,12 @@ def global_moments(x, axes, weights, keepdims, options, label, scope_name):
 
         # A tensor `training`: the all-reduce runs only when it is True, so a
         # run with it False may fetch one tower alone (evaluation).
+        def local():
+            with outside_xla_clusters():      # (as synchronized)
+                return tf.identity(packed)
+
         packed = synchronized() if training is True else tf.cond(
-            training, synchronized, lambda: tf.identity(packed), name='training')
+            training, synchronized, local, name='training')
     _, mean, variance = _math.unpack_counted_moments(packed, size)
     if keepdims:
         out_shape = reduced_shape
