@@ -1,8 +1,10 @@
-"""The environment-variable form under the launcher: ``TF1_SYNCBN_RUN=... python -m
-tf1_syncbn.launch --workers 2 -- python script.py``.
+"""The runner under the launcher, in both forms: the environment variable
+(``TF1_SYNCBN_RUN=... python -m tf1_syncbn.launch --workers 2 -- python script.py``) and the
+command (``python -m tf1_syncbn.launch --workers 2 -- python -m tf1_syncbn.run ... script.py``).
 
 Every worker the launcher starts is a new Python process; ``tf1_syncbn_run.pth`` (processed as
-where the package is installed) switches it on. The unchanged ``tower_%d`` tf.layers script
+where the package is installed) switches it on in the first form, the runner's command in the
+second. The unchanged ``tower_%d`` tf.layers script
 runs 2 towers in each of 2 workers: each worker equals tf.layers itself on one device with the
 concatenated batch, and writes its own report (``report.worker<i>.json``: the launcher's
 ``TF_CONFIG`` names 2 workers). The launcher runs as a plain script (it imports no TensorFlow).
@@ -25,16 +27,28 @@ pytestmark = pytest.mark.once
 LAUNCH = os.path.join(harness.ROOT, 'tf1_syncbn', 'launch')
 
 
-def test_the_variable_switches_every_worker_the_launcher_starts(tmp_path):
-    reference, control = harness.plain_runs('layers_towers.py', tmp_path, 2)
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
+    reference, control = harness.plain_runs('layers_towers.py',
+                                            tmp_path_factory.mktemp('plain'), 2)
     assert harness.differs(control, reference)
+    return reference
+
+
+@pytest.mark.parametrize('form', ['variable', 'command'])
+def test_the_runner_switches_every_worker_the_launcher_starts(reference, tmp_path, form):
+    options = ['--num-dev', '2', '--report', str(tmp_path / 'report.json')]
     env = dict(os.environ, PYTHONPATH=harness.site_with_hook(tmp_path, support_paths.paths()),
-               TF1_SYNCBN_RUN='--num-dev 2 --report %s' % (tmp_path / 'report.json'),
                TF_CPP_MIN_LOG_LEVEL='3')
+    env.pop('TF1_SYNCBN_RUN', None)
+    if form == 'variable':
+        env['TF1_SYNCBN_RUN'] = ' '.join(options)
+        runner = []
+    else:
+        runner = ['-m', 'tf1_syncbn.run'] + options
     proc = subprocess.run(
-        [sys.executable, LAUNCH, '--workers', '2', '--timeout', '400', '--',
-         sys.executable, harness.script('layers_towers.py'), '2',
-         str(tmp_path / 'out.{worker}.npz')],
+        [sys.executable, LAUNCH, '--workers', '2', '--timeout', '400', '--', sys.executable] +
+        runner + [harness.script('layers_towers.py'), '2', str(tmp_path / 'out.{worker}.npz')],
         env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=450)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for worker in (0, 1):
