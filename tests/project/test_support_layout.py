@@ -97,10 +97,18 @@ def _test_folders():
 
 
 def _taken(name):
-    """Whether ``name`` is importable from the path without the helpers' folders."""
+    """Whether ``name`` is importable from the path without the helpers' folders.
+
+    The path as a test process starts with it: the installed packages and the repository's
+    root. The folders of tests/ (the helpers' among them), and tools/ and examples/, which
+    some tests put on ``sys.path`` for their scripts, are left out.
+    """
     if name in sys.builtin_module_names or name in getattr(sys, 'stdlib_module_names', ()):
         return True
-    path = [p for p in sys.path if os.path.abspath(p or '.') not in support_paths.folders()]
+    scripts = tuple(os.path.join(os.path.abspath(ROOT), d) for d in ('tests', 'tools', 'examples'))
+    path = [p for p in sys.path
+            if not any(os.path.abspath(p or '.') in (d,) or
+                       os.path.abspath(p or '.').startswith(d + os.sep) for d in scripts)]
     spec = importlib.machinery.PathFinder.find_spec(name, path)
     return spec is not None and spec.loader is not None       # a namespace folder is no module
 
