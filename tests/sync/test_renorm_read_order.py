@@ -13,6 +13,7 @@ branches are functions in TF2 behaviour).
 
 import pytest
 import tensorflow as tf
+from tensorflow.python.ops import op_selector
 
 from tf1_syncbn import CollectiveBackend, sync_batch_norm
 from tower import call_for_each_tower, get_current_tower_context
@@ -23,15 +24,8 @@ READS = ('ReadVariableOp', 'Snapshot')
 
 
 def _ancestors(ops):
-    seen, stack = set(), list(ops)
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        stack.extend(t.op for t in op.inputs)
-        stack.extend(op.control_inputs)
-    return seen
+    """``ops`` and every op they wait for (data and control edges)."""
+    return set(op_selector.get_backward_walk_ops(list(ops), control_inputs=True))
 
 
 def _reads_of(graph, variable):
