@@ -7,9 +7,9 @@
   objects included.
 * The report: one row per group of equal layers, so that a ResNet fits one screen; the
   problems first shown, all of them in the JSON; ``{worker}`` and per-worker file names.
-* The switches: the runner's ``patch_tf_layers`` steps aside for the script's own and comes
-  back; ``--num-dev`` reaches tensorpack only where its layer takes ``num_dev``, and says so
-  where it cannot.
+* The switches: the runner's ``patch_tf_layers`` and ``patch_slim`` step aside for the
+  script's own and come back; ``--num-dev`` reaches tensorpack only where its layer takes
+  ``num_dev``, and says so where it cannot.
 """
 
 import inspect
@@ -104,24 +104,44 @@ def test_each_worker_writes_its_own_report():
     assert report.report_path('a.json', {'TF_CONFIG': chief}) == 'a.worker1.json'
 
 
+def _slim():
+    import tf_slim  # noqa: PLC0415
+    return tf_slim
+
+
+#: A patch of each kind the runner switches in this process, and the name it replaces.
+SWITCHES = {
+    'tf_layers': (lambda: tf1_syncbn.patch_tf_layers, lambda: tf1.layers.batch_normalization),
+    'slim': (lambda: tf1_syncbn.patch_slim, lambda: _slim().batch_norm),
+}
+
+
 @pytest.mark.once
-def test_the_runners_switch_steps_aside_for_the_scripts_own_patch():
+@pytest.mark.parametrize('kind', sorted(SWITCHES))
+def test_the_runners_switch_steps_aside_for_the_scripts_own_patch(kind):
+    patch, name = SWITCHES[kind]
+    try:
+        original = name()
+    except AttributeError:      # tf.compat.v1.layers' batch norm with Keras 3: none
+        original = None
     user = types.ModuleType('user_module')
     sys.modules[user.__name__] = user
     with yielding():
-        runner = tf1_syncbn.patch_tf_layers()
+        runner = patch()()
     try:
-        switched = tf1.layers.batch_normalization
-        user.bn = switched          # `from tensorflow.compat.v1.layers import ...` meanwhile
-        own = tf1_syncbn.patch_tf_layers(num_dev=4)     # a script that patches itself
+        switched = name()
+        user.bn = switched          # `from ... import batch_norm` while the runner's is active
+        own = patch()(num_dev=4)    # a script that patches itself
         assert runner.waiting and own.active
-        assert tf1.layers.batch_normalization is not switched
-        assert user.bn is tf1.layers.batch_normalization         # the script's, num_dev=4
+        assert name() is not switched and name() is not original and original is not switched
+        assert user.bn is name()    # the script's patch, num_dev=4, where the user imported
         own.restore()
-        assert runner.active and tf1.layers.batch_normalization is switched is user.bn
+        assert runner.active and name() is switched is user.bn
     finally:
         runner.restore()
         del sys.modules[user.__name__]
+    if original is not None:
+        assert name() is original
 
 
 @pytest.mark.once

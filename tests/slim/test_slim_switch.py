@@ -6,19 +6,17 @@ switch's against tf-slim's own ``batch_norm`` run by an unchanged script under t
 (``normalizer_fn``, the ``arg_scope`` key, the names modules imported) builds this library's
 layer with the patch's defaults, where arguments, the arg scope of ``sync_batch_norm`` and that
 of slim's own ``batch_norm`` (an arg scope built before the patch) win in that order; ``restore``
-puts slim's back everywhere; ``sync_arg_scope`` still works inside; a patch made as the runner's
-steps aside for the script's own.
+puts slim's back everywhere; ``sync_arg_scope`` still works inside. That a patch made as the
+runner's steps aside for the script's own is tests/run/test_run_proof.py's (each patch kind).
 """
 
 import sys
 import types
 
-import pytest
 import tensorflow as tf
 import tf_slim as slim
 
 import tf1_syncbn
-from tf1_syncbn._frontend.patching import yielding
 
 tf1 = tf.compat.v1
 ORIGINAL = slim.batch_norm
@@ -73,22 +71,4 @@ def test_sync_arg_scope_still_works_under_the_patch(graph):
     # A direct call inside the block is still the patch's (its num_dev; the block's arg scope
     # adds sync_statistics='auto'): synchronized.
     assert _collectives(graph) == 2
-    assert slim.batch_norm is ORIGINAL
-
-
-@pytest.mark.once
-def test_the_runners_patch_steps_aside_for_the_scripts_own():
-    user = types.ModuleType('user_module')
-    sys.modules[user.__name__] = user
-    with yielding():
-        runner = tf1_syncbn.patch_slim()
-    try:
-        user.bn = slim.batch_norm                   # imported while the runner's is active
-        own = tf1_syncbn.patch_slim(num_dev=4)
-        assert runner.waiting and slim.batch_norm is own.batch_norm is user.bn
-        own.restore()
-        assert runner.active and slim.batch_norm is runner.batch_norm is user.bn
-    finally:
-        runner.restore()
-        del sys.modules[user.__name__]
     assert slim.batch_norm is ORIGINAL
