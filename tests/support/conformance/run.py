@@ -562,8 +562,10 @@ def _kernel_ops(graph, cells):
 #: The worker script (run as ``python conformance_worker.py OUT CELL_ID...``).
 WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                              'for_distributed', 'conformance_worker.py')
-#: How long the workers of one run may take (every cell of the column, both kernel sets).
-WORKERS_TIMEOUT = 900
+#: How long the workers of one run may take: make test-full's cells of one kernel set take
+#: about 2 minutes, make test's 20 s; past it the launcher stops them and the run fails (a
+#: worker that waits on a peer that has gone must not hold CI for longer).
+WORKERS_TIMEOUT = 300
 
 
 def save_worker_results(results, path):
