@@ -124,9 +124,13 @@ def harness_results():
     def get(harness):
         if harness.name not in done:
             cells = [cell for cell in HERE if cell.harness is harness]
-            done[harness.name] = run.run_cells(
-                type(harness), [c for c in cells if c.expected.kind == matrix.MATCH],
-                [c for c in cells if c.expected.kind == matrix.REFUSED])
+            match = [c for c in cells if c.expected.kind == matrix.MATCH]
+            refused = [c for c in cells if c.expected.kind == matrix.REFUSED]
+            if harness.workers:
+                # Worker processes (one launch for the column's cells of this run).
+                done[harness.name] = run.run_cells_in_workers(harness, match, refused)
+            else:
+                done[harness.name] = run.run_cells(type(harness), match, refused)
         return done[harness.name]
 
     return get

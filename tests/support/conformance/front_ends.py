@@ -75,10 +75,16 @@ class FrontEnd(object):
         raise NotImplementedError
 
     def sync_kwargs(self, option, num_dev):
-        """The library's own arguments: synchronization, groups, ``num_dev``."""
+        """The library's own arguments: synchronization, groups, ``num_dev``.
+
+        In worker processes (:func:`synchronizing_with`), a synchronizing cell
+        passes the cluster's backend, as users do (``cluster.backend()``).
+        """
         kwargs = {}
         if option.sync is None:
             kwargs['sync_statistics'] = None
+        elif _BACKEND:
+            kwargs['sync_statistics'] = _BACKEND[-1]
         if option.group_size is not None:
             kwargs['group_size'] = _as_lists(option.group_size)
         if num_dev is not None:
@@ -133,6 +139,20 @@ class FrontEnd(object):
         """
         del option, num_dev
         return (self.family, 'direct') if self.family in PATCHED_FAMILIES else None
+
+
+#: The backend synchronizing cells pass (a stack: :func:`synchronizing_with`).
+_BACKEND = []
+
+
+@contextlib.contextmanager
+def synchronizing_with(backend):
+    """Within it, a synchronizing cell passes ``sync_statistics=backend`` (worker processes)."""
+    _BACKEND.append(backend)
+    try:
+        yield
+    finally:
+        _BACKEND.pop()
 
 
 def recording(created):
@@ -276,7 +296,7 @@ class _Tensorpack(FrontEnd):
         kwargs = super(_Tensorpack, self).sync_kwargs(option, num_dev)
         if option.sync is None:
             del kwargs['sync_statistics']          # tensorpack's default: per tower
-        else:
+        elif not _BACKEND:
             kwargs['sync_statistics'] = 'auto'     # as docs/tensorpack.md says to pass
         return kwargs
 

@@ -24,6 +24,7 @@ import contextlib
 
 import tensorflow as tf
 
+from conformance import front_ends as fes
 from conformance import options as opts
 
 tf1 = tf.compat.v1
@@ -60,6 +61,8 @@ class Harness(object):
     threaded = False
     #: A ``tf.estimator.Estimator`` runs the graph (``run._run_estimator``).
     estimator = False
+    #: Worker processes that run the column's cells (0: this process runs them).
+    workers = 0
 
     def unavailable(self):
         """Why the harness does not exist on this TensorFlow, or None."""
@@ -89,6 +92,14 @@ class Harness(object):
         """What tower ``index`` reads of ``variables`` (a replica's own copy, under a strategy)."""
         del index
         return variables
+
+    def tower_indices(self):
+        """The global indices of the towers this process builds, in build order."""
+        return list(range(opts.TOWERS))
+
+    def session_target(self):
+        """The target of the harness's sessions (a worker's server)."""
+        return ''
 
     def session_config(self, towers):
         from tower import virtual_cpu_config  # noqa: PLC0415
@@ -418,13 +429,47 @@ class _Pending(Harness):
         return None
 
 
-class MultiWorker(_Pending):
+class MultiWorker(Harness):
+    """Worker processes (``tf1_syncbn.distributed``): 2 workers x 2 towers each.
+
+    Each worker builds its own towers in ``tower.call_for_each_tower`` on
+    ``cluster.tower_devices``, and every layer passes
+    ``sync_statistics=cluster.backend()``: global tower ``g`` is worker
+    ``g // 2``'s tower ``g % 2``, so the 4 global towers are the oracle's.
+    The cells run in 2 worker processes started by
+    ``tf1_syncbn.launch.Launcher`` (``run.run_cells_in_workers``, the worker:
+    ``tests/support/for_distributed/conformance_worker.py``); a worker runs
+    ``run.run_cells`` on this harness with :attr:`cluster` set.
+    """
+
     name = 'multi_worker'
     title = 'worker processes (`tf1_syncbn.distributed`)'
-    adds = '`sync_statistics=cluster.backend()` (and `num_dev`, as the harness of its towers)'
+    adds = '`sync_statistics=cluster.backend()` (the towers: `call_for_each_tower`)'
     docs_rows = ('one process per device without Horovod',)
-    pending = ('tests/distributed/test_multi_worker_training.py and '
-               'tests/distributed/test_sync_groups_workers.py (worker processes)')
+    #: Worker processes, and towers in each (WORKERS * LOCAL_TOWERS == opts.TOWERS).
+    WORKERS, LOCAL_TOWERS = 2, 2
+    workers = WORKERS
+    #: The worker's ``tf1_syncbn.distributed`` cluster (set in a worker process).
+    cluster = None
+
+    def tower_indices(self):
+        rank = self.cluster.rank
+        return [rank * self.LOCAL_TOWERS + t for t in range(self.LOCAL_TOWERS)]
+
+    def build_towers(self, tower_fn, towers):
+        from tower import call_for_each_tower, get_current_tower_context  # noqa: PLC0415
+        del towers
+        first = self.cluster.rank * self.LOCAL_TOWERS
+        with fes.synchronizing_with(self.cluster.backend()):
+            return call_for_each_tower(
+                lambda: tower_fn(first + get_current_tower_context().index),
+                self.cluster.tower_devices)
+
+    def session_target(self):
+        return self.cluster.target
+
+    def session_config(self, towers):
+        return self.cluster.config
 
 
 class MultiWorkerMirrored(_Pending):

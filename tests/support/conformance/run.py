@@ -346,12 +346,15 @@ def _feed(built):
     return feed
 
 
-def _place(parts, sizes):
-    """Per-tower arrays put back at their rows of the global batch (float32)."""
+def _place(parts, sizes, indices):
+    """Per-tower arrays put back at their rows of the global batch (float32).
+
+    ``indices``: the global towers of ``parts`` (the rows of other towers are 0).
+    """
     rows = opts.tower_rows(sizes)
     out = np.zeros((sum(sizes),) + parts[0].shape[1:], np.float32)
-    for part, r in zip(parts, rows):
-        out[r] = part
+    for part, index in zip(parts, indices):
+        out[rows[index]] = part
     return out
 
 
@@ -376,7 +379,8 @@ def _run_graph(harness_type, cells):
         local_init = tf1.local_variables_initializer()
     options = tf1.RunOptions(timeout_in_ms=STEP_TIMEOUT_MS)
     config = harness.session_config(len(towers))
-    with tf1.Session(graph=graph, config=config) as sess:
+    target = harness.session_target()
+    with tf1.Session(target, graph=graph, config=config) as sess:
         sess.run([init, local_init], options=options)
         try:
             values = sess.run(fetches, _feed(built), options=options)
@@ -387,9 +391,10 @@ def _run_graph(harness_type, cells):
         with tempfile.TemporaryDirectory() as tmp:
             path = saver.save(sess, os.path.join(tmp, 'model'))
             saved = _saved(path, variables)
-            restored = _restore_fresh(graph, path, variables, config)
+            restored = _restore_fresh(graph, path, variables, config, target)
     return _results(cells, values['cells'], variables, read, saved, restored,
-                    _kernel_ops(graph, cells), _warnings_of(caught, cells))
+                    _kernel_ops(graph, cells), _warnings_of(caught, cells),
+                    harness.tower_indices())
 
 
 def _keep_warnings(error, caught, cells):
@@ -412,17 +417,22 @@ def _saved(path, variables):
             for cell, named in variables.items()}
 
 
-def _results(cells, values, variables, read, saved, restored, kernel_ops, cell_warnings):
-    """Every cell's arrays, keyed as the oracle keys its references."""
+def _results(cells, values, variables, read, saved, restored, kernel_ops, cell_warnings,
+             indices=None):
+    """Every cell's arrays, keyed as the oracle keys its references.
+
+    ``indices``: the global towers of ``values``' towers (None: every tower, in order).
+    """
     results = {}
     for cell in cells:
         per_tower = values[cell.id]
+        towers = list(range(len(per_tower))) if indices is None else indices
         arrays = {}
         for name in cell.front_end.outputs:
             parts = [np.asarray(t['outputs'][name], np.float32) for t in per_tower]
             arrays['y/0' if name == 'y' else 'y/%s' % name] = (
-                _place(parts, cell.option.sizes) if name == 'y' else np.stack(parts))
-        arrays['dx/0'] = _place([t['dx'] for t in per_tower], cell.option.sizes)
+                _place(parts, cell.option.sizes, towers) if name == 'y' else np.stack(parts))
+        arrays['dx/0'] = _place([t['dx'] for t in per_tower], cell.option.sizes, towers)
         for rel in per_tower[0]['grads']:
             arrays['grad/0/' + rel] = np.sum([t['grads'][rel] for t in per_tower], axis=0)
         for rel in variables[cell.id]:
@@ -511,11 +521,18 @@ def _run_estimator(harness, cells):
                     _kernel_ops(state['graph'], cells), _warnings_of(caught, cells))
 
 
-def _restore_fresh(graph, path, variables, config):
-    """The variables restored from the checkpoint at ``path`` into a fresh session."""
+def _restore_fresh(graph, path, variables, config, target=''):
+    """The variables restored from the checkpoint at ``path`` into a fresh session.
+
+    On a server (``target``, a worker's), whose variables outlive a session,
+    the variables are initialized again first.
+    """
     with graph.as_default():
         saver = tf1.train.Saver(tf1.global_variables())
-    with tf1.Session(graph=graph, config=config) as sess:
+        init = tf1.global_variables_initializer() if target else None
+    with tf1.Session(target, graph=graph, config=config) as sess:
+        if init is not None:
+            sess.run(init)
         saver.restore(sess, path)
         return sess.run(variables, options=tf1.RunOptions(timeout_in_ms=STEP_TIMEOUT_MS))
 
@@ -537,3 +554,115 @@ def _kernel_ops(graph, cells):
                     counts[scopes[part]] += 1
                     break
     return counts
+
+
+# ---------------------------------------------------------------------------
+# Worker processes (harnesses.MultiWorker): each runs run_cells on its towers.
+
+#: The worker script (run as ``python conformance_worker.py OUT CELL_ID...``).
+WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             'for_distributed', 'conformance_worker.py')
+#: How long the workers of one run may take: make test-full's cells of one kernel set take
+#: about 2 minutes, make test's 20 s; past it the launcher stops them and the run fails (a
+#: worker that waits on a peer that has gone must not hold CI for longer).
+WORKERS_TIMEOUT = 300
+
+
+def save_worker_results(results, path):
+    """Writes a worker's ``{cell id: Result}`` to ``path`` (errors as their type and text)."""
+    import pickle  # noqa: PLC0415
+    plain = {}
+    for cell_id, result in results.items():
+        error = result.error
+        plain[cell_id] = dataclasses.replace(
+            result, error=None if error is None else (type(error).__name__, str(error)))
+    with open(path, 'wb') as f:
+        pickle.dump(plain, f)
+
+
+def _load_worker_results(path):
+    import pickle  # noqa: PLC0415
+    with open(path, 'rb') as f:
+        plain = pickle.load(f)  # noqa: S301 - our own workers' file
+    for result in plain.values():
+        if result.error is not None:
+            name, text = result.error
+            kind = {'ValueError': ValueError, 'TypeError': TypeError}.get(name)
+            result.error = kind(text) if kind else RuntimeError('%s: %s' % (name, text))
+    return plain
+
+
+def run_cells_in_workers(harness, cells, refused=()):
+    """:func:`run_cells` of a worker harness, in ``harness.workers`` worker processes.
+
+    The workers are started by ``tf1_syncbn.launch.Launcher`` on localhost, in
+    this process's TF behaviour and environment (its kernel set's variables);
+    each runs every cell on its towers and writes its results. A cell's arrays
+    are assembled from the workers' (each worker's towers' rows and outputs,
+    the gradients summed); its variables are worker 0's, and must be the same
+    on every worker. A cell refused or failed on some worker has that error.
+
+    Args:
+      harness: a harness with ``workers`` (``harnesses.MultiWorker``).
+      cells, refused: as :func:`run_cells`.
+
+    Returns:
+      ``{cell id: Result}``.
+
+    Raises:
+      RuntimeError: when a worker fails or writes no results (its output's end).
+    """
+    import sys  # noqa: PLC0415
+
+    import support_paths  # noqa: PLC0415
+    import tf_behavior  # noqa: PLC0415
+    from tf1_syncbn.launch import Launcher  # noqa: PLC0415
+    ids = [cell.id for cell in cells] + ['refused:' + cell.id for cell in refused]
+    if not ids:
+        return {}
+    with tempfile.TemporaryDirectory() as out:
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2',
+                   PYTHONPATH=support_paths.pythonpath(os.environ.get('PYTHONPATH')))
+        launcher = Launcher([sys.executable, WORKER_SCRIPT, out] + tf_behavior.flag() + ids,
+                            harness.workers, env=env, output=None).start()
+        status = launcher.wait(timeout=WORKERS_TIMEOUT)    # stops them all past it
+        text = '\n'.join(line for lines in launcher.lines for line in lines)
+        paths = [os.path.join(out, 'worker%d.pkl' % rank) for rank in range(harness.workers)]
+        if status != 0 or not all(os.path.exists(p) for p in paths):
+            raise RuntimeError('the conformance workers failed (%s):\n%s'
+                               % (status, text[-6000:]))
+        per_worker = [_load_worker_results(p) for p in paths]
+    options = {cell.id: cell.option for cell in list(cells) + list(refused)}
+    return {cell_id: _assemble([found[cell_id] for found in per_worker],
+                               same_variables=options[cell_id].sync is not None)
+            for cell_id in per_worker[0]}
+
+
+def _assemble(parts, same_variables=True):
+    """One cell's Result from its workers' (worker order = global tower order).
+
+    ``same_variables``: the variables must be equal on every worker. Not with
+    ``sync_statistics=None``: nothing crosses the workers, each worker's moving
+    statistics are its own first tower's (as the replaced layer's in processes
+    of their own), and worker 0's are global tower 0's, the oracle's.
+    """
+    warnings_ = [w for part in parts for w in part.warnings if w not in parts[0].warnings]
+    warnings_ = parts[0].warnings + warnings_
+    for part in parts:
+        if part.error is not None:
+            return Result(error=part.error, warnings=warnings_)
+    arrays = {}
+    for key, value in parts[0].arrays.items():
+        values = [part.arrays[key] for part in parts]
+        if key in ('y/0', 'dx/0') or key.startswith('grad/'):
+            arrays[key] = np.sum(values, axis=0)          # rows of other towers are 0
+        elif key.startswith('y/'):
+            arrays[key] = np.concatenate(values)          # stacked per tower
+        else:
+            for rank, other in enumerate(values[1:] if same_variables else (), 1):
+                if not np.array_equal(other, value, equal_nan=True):
+                    return Result(error=AssertionError(
+                        '%s differs between worker 0 and worker %d: %s and %s'
+                        % (key, rank, value.tolist(), other.tolist())), warnings=warnings_)
+            arrays[key] = value
+    return Result(arrays=arrays, warnings=warnings_, kernel_ops=parts[0].kernel_ops)
