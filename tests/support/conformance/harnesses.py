@@ -108,6 +108,26 @@ class Harness(object):
     def close(self):
         """Undoes what building changed outside the graph (registered patterns)."""
 
+    # A column whose towers are processes (``workers`` > 0): ``run.run_cells_in_workers``
+    # launches them, each runs ``python -m conformance.worker`` (``conformance/worker.py``).
+
+    def launch(self, command, env, timeout):
+        """Runs ``command`` in :attr:`workers` processes of this column; waits for them.
+
+        Args:
+          command: the worker's command line (``python -m conformance.worker ...``).
+          env: the workers' environment.
+          timeout: seconds; past it every worker is stopped.
+
+        Returns:
+          ``(status, output)``: 0 when every worker exited with 0, and their output.
+        """
+        raise NotImplementedError('%s builds its towers in this process' % self.name)
+
+    def join(self):
+        """In a worker process: joins the column's other workers; returns this one's rank."""
+        raise NotImplementedError('%s builds its towers in this process' % self.name)
+
 
 def _devices(towers):
     return ['/cpu:%d' % i for i in range(towers)]
@@ -438,8 +458,8 @@ class MultiWorker(Harness):
     ``g // 2``'s tower ``g % 2``, so the 4 global towers are the oracle's.
     The cells run in 2 worker processes started by
     ``tf1_syncbn.launch.Launcher`` (``run.run_cells_in_workers``, the worker:
-    ``tests/support/for_distributed/conformance_worker.py``); a worker runs
-    ``run.run_cells`` on this harness with :attr:`cluster` set.
+    ``conformance/worker.py``); a worker runs ``run.run_cells`` on this
+    harness with :attr:`cluster` set.
     """
 
     name = 'multi_worker'
@@ -449,8 +469,22 @@ class MultiWorker(Harness):
     #: Worker processes, and towers in each (WORKERS * LOCAL_TOWERS == opts.TOWERS).
     WORKERS, LOCAL_TOWERS = 2, 2
     workers = WORKERS
-    #: The worker's ``tf1_syncbn.distributed`` cluster (set in a worker process).
+    #: The worker's ``tf1_syncbn.distributed`` cluster (set in a worker process by ``join``).
     cluster = None
+
+    def launch(self, command, env, timeout):
+        from tf1_syncbn.launch import Launcher  # noqa: PLC0415
+        launcher = Launcher(command, self.workers, env=env, output=None).start()
+        status = launcher.wait(timeout=timeout)    # stops them all past it
+        return status, '\n'.join(line for lines in launcher.lines for line in lines)
+
+    def join(self):
+        from tf1_syncbn.distributed import setup_cluster, wait_for_peers  # noqa: PLC0415
+        cluster = setup_cluster(towers=self.LOCAL_TOWERS, startup_timeout=120,
+                                collective_timeout=120)
+        type(self).cluster = cluster
+        wait_for_peers(cluster)
+        return cluster.rank
 
     def tower_indices(self):
         rank = self.cluster.rank

@@ -557,11 +557,10 @@ def _kernel_ops(graph, cells):
 
 
 # ---------------------------------------------------------------------------
-# Worker processes (harnesses.MultiWorker): each runs run_cells on its towers.
+# Worker processes (Harness.workers): each runs run_cells on its towers.
 
-#: The worker script (run as ``python conformance_worker.py OUT CELL_ID...``).
-WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                             'for_distributed', 'conformance_worker.py')
+#: The worker's module (``python -m conformance.worker HARNESS OUT CELL_ID...``).
+WORKER_MODULE = 'conformance.worker'
 #: How long the workers of one run may take: make test-full's cells of one kernel set take
 #: about 2 minutes, make test's 20 s; past it the launcher stops them and the run fails (a
 #: worker that waits on a peer that has gone must not hold CI for longer).
@@ -595,7 +594,8 @@ def _load_worker_results(path):
 def run_cells_in_workers(harness, cells, refused=()):
     """:func:`run_cells` of a worker harness, in ``harness.workers`` worker processes.
 
-    The workers are started by ``tf1_syncbn.launch.Launcher`` on localhost, in
+    The workers are started by the column (``harness.launch``: a
+    ``tf1_syncbn.launch.Launcher`` on localhost, ``horovodrun``, ...), in
     this process's TF behaviour and environment (its kernel set's variables);
     each runs every cell on its towers and writes its results. A cell's arrays
     are assembled from the workers' (each worker's towers' rows and outputs,
@@ -603,7 +603,8 @@ def run_cells_in_workers(harness, cells, refused=()):
     on every worker. A cell refused or failed on some worker has that error.
 
     Args:
-      harness: a harness with ``workers`` (``harnesses.MultiWorker``).
+      harness: a harness with ``workers`` (``harnesses.MultiWorker``), its
+        ``launch`` and ``join``.
       cells, refused: as :func:`run_cells`.
 
     Returns:
@@ -616,17 +617,15 @@ def run_cells_in_workers(harness, cells, refused=()):
 
     import support_paths  # noqa: PLC0415
     import tf_behavior  # noqa: PLC0415
-    from tf1_syncbn.launch import Launcher  # noqa: PLC0415
     ids = [cell.id for cell in cells] + ['refused:' + cell.id for cell in refused]
     if not ids:
         return {}
     with tempfile.TemporaryDirectory() as out:
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2',
                    PYTHONPATH=support_paths.pythonpath(os.environ.get('PYTHONPATH')))
-        launcher = Launcher([sys.executable, WORKER_SCRIPT, out] + tf_behavior.flag() + ids,
-                            harness.workers, env=env, output=None).start()
-        status = launcher.wait(timeout=WORKERS_TIMEOUT)    # stops them all past it
-        text = '\n'.join(line for lines in launcher.lines for line in lines)
+        command = [sys.executable, '-m', WORKER_MODULE, harness.name, out]
+        status, text = harness.launch(command + tf_behavior.flag() + ids, env,
+                                      WORKERS_TIMEOUT)
         paths = [os.path.join(out, 'worker%d.pkl' % rank) for rank in range(harness.workers)]
         if status != 0 or not all(os.path.exists(p) for p in paths):
             raise RuntimeError('the conformance workers failed (%s):\n%s'
