@@ -31,27 +31,19 @@ ignores the assignment): the patch must raise ``tf1_syncbn.PatchError`` naming
 the TensorFlow version and what to call instead, and leave nothing switched.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
-import support_paths
+import fresh_script
 import tf_behavior
 
 pytestmark = pytest.mark.versions
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-
-SCRIPT = tf_behavior.SOURCE + r'''
-import functools, importlib, json, sys, types, warnings
+#: After fresh_script.PRELUDE.
+SCRIPT = r'''
+import functools, importlib, types, warnings
 import numpy as np
-import tensorflow as tf
 import tensorflow.compat.v1 as tfv1
 import tf_slim as slim
 import tensorpack
@@ -59,9 +51,6 @@ from tensorpack import BatchNorm as imported_before
 import tf1_syncbn
 import tf1_syncbn.keras as sync_keras
 from tf1_syncbn import audit_graph
-
-tf1 = tf.compat.v1
-out = {}
 
 
 def towers(make):
@@ -232,10 +221,7 @@ sys.modules['tf_slim'].__class__ = Ignores
 out['slim error'] = error(lambda: tf1_syncbn.sync_arg_scope().__enter__())
 sys.modules['tf_slim'].__class__ = types.ModuleType
 out['slim after'] = slim.layers.batch_norm is not tf1_syncbn.sync_batch_norm
-print('RESULT ' + json.dumps(out))
 '''
-
-SETTINGS = {'default': {}, 'legacy': {'TF_USE_LEGACY_KERAS': '1'}}
 
 
 def _one_device():
@@ -249,20 +235,9 @@ def _one_device():
     return [1 - 0.1 * (xhat * w).sum(0), -0.1 * w.sum(0), 0.5 * mean, 0.5 + 0.5 * variance]
 
 
-def _run(setting):
-    env = {k: v for k, v in os.environ.items() if k != 'TF_USE_LEGACY_KERAS'}
-    env.update(SETTINGS[setting], TF_CPP_MIN_LOG_LEVEL='3',
-               PYTHONPATH=support_paths.pythonpath())
-    run = subprocess.run([sys.executable, '-c', SCRIPT], env=env, cwd=ROOT, text=True,
-                         capture_output=True, timeout=280)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    line = [l for l in run.stdout.splitlines() if l.startswith('RESULT ')][-1]
-    return json.loads(line[len('RESULT '):])
-
-
-@pytest.mark.parametrize('setting', tf_behavior.pick(SETTINGS, ['legacy']))
+@pytest.mark.parametrize('setting', tf_behavior.pick(fresh_script.KERAS, ['legacy']))
 def test_every_patch_by_the_names_users_call(setting):
-    out = _run(setting)
+    out = fresh_script.run(SCRIPT, setting, timeout=280)
     # The patched tower loop is one device on the whole batch (numpy, float64);
     # tf.layers' own layer, where there is one, is not.
     expected = _one_device()

@@ -10,32 +10,21 @@ the audit could tell); with Keras 3 the import failed, and
 
 Each case runs in a fresh process (what an import does depends on what was
 imported before), in the run's TF behaviour, with tf-keras
-(``TF_USE_LEGACY_KERAS=1``) and with Keras 3.
+(``TF_USE_LEGACY_KERAS=1``) and without (Keras 3 from TensorFlow 2.16):
+``fresh_script.run``.
 """
-
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-import tf_behavior
+import fresh_script
 
 pytestmark = pytest.mark.versions
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-
-SCRIPT = tf_behavior.SOURCE + r'''
-import json
-import sys
-import tensorflow as tf
+#: After fresh_script.PRELUDE.
+SCRIPT = r'''
 import tf1_syncbn
 from tf1_syncbn import audit_graph
 
-tf1 = tf.compat.v1
-out = {}
 patch = tf1_syncbn.patch_tf_layers(num_dev=2)
 from tensorflow.compat.v1.layers import BatchNormalization, batch_normalization  # after the patch
 out['imported'] = (getattr(batch_normalization, '__wrapped__', None)
@@ -62,21 +51,12 @@ patch.restore()
 module = sys.modules['tensorflow.compat.v1.layers']
 restored = vars(module).get('batch_normalization')
 out['restored'] = restored is None or not hasattr(restored, '__wrapped__')
-print('RESULT ' + json.dumps(out))
 '''
 
 
-@pytest.mark.parametrize('keras', ['tf-keras', 'keras3'])
+@pytest.mark.parametrize('keras', sorted(fresh_script.KERAS))
 def test_an_import_of_the_module_after_the_patch_keeps_it(keras):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', PYTHONPATH=ROOT)
-    env.pop('TF_USE_LEGACY_KERAS', None)
-    if keras == 'tf-keras':
-        env['TF_USE_LEGACY_KERAS'] = '1'
-    run = subprocess.run([sys.executable, '-c', SCRIPT], env=env, cwd=ROOT, text=True,
-                         capture_output=True, timeout=240)
-    assert run.returncode == 0, run.stderr[-3000:]
-    line = [l for l in run.stdout.splitlines() if l.startswith('RESULT ')][-1]
-    out = json.loads(line[len('RESULT '):])
+    out = fresh_script.run(SCRIPT, keras, timeout=240)
     assert out['imported'] and out['imported_class'] and out['attribute'], out
     assert out['problems'] == [], out
     assert out['sync'] == [[True, 2]], out

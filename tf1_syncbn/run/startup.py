@@ -68,6 +68,34 @@ WATCHED = ('tensorflow', 'tf1_syncbn', 'tower', 'tf_slim', 'tensorpack', 'tf_ker
 _PACKAGE_IMPORTS = ('tensorflow', 'tf1_syncbn', 'tower', 'tf_slim')
 
 
+#: The runner's options, in their order: ``(flag, add_argument's keywords)``. The one list
+#: of them: :func:`build_parser` adds them, ``TF1_SYNCBN_RUN``'s usage names them, and
+#: :func:`options_text` writes parsed options back with them.
+OPTIONS = (
+    ('--num-dev', dict(type=int, metavar='N',
+                       help='the number of towers of a script whose towers are tower_<i> / '
+                            'clone_<i> name scopes (not needed with tensorpack\'s trainers, '
+                            'tf.distribute or tower.TowerContext)')),
+    ('--group-size', dict(type=int, metavar='G',
+                          help='synchronize within groups of G consecutive towers (default: '
+                               'every tower)')),
+    ('--backend', dict(choices=BACKENDS, default='auto', metavar='B',
+                       help='the layers\' sync_statistics: auto (NCCL on GPUs, collective ops '
+                            'on CPUs), collective, nccl, horovod, or none (the library\'s '
+                            'layers with per-tower statistics); default: auto')),
+    ('--timeout', dict(type=float, metavar='S',
+                       help='a step whose all-reduce waits longer than S seconds fails '
+                            'instead of hanging (sets %s; default 600)' % TIMEOUT_VARIABLE)),
+    ('--strict', dict(action='store_true',
+                      help='stop before the first training step (exit status %d) when a '
+                           'batch norm is not synchronized or its updates would not run'
+                           % STRICT_EXIT_STATUS)),
+    ('--report', dict(metavar='PATH',
+                      help='also write the audit as JSON to PATH ({worker} and {pid} are '
+                           'replaced; several workers without {worker}: PATH.worker<i>)')),
+)
+
+
 def build_parser():
     """``python -m tf1_syncbn.run``'s parser (also for ``TF1_SYNCBN_RUN``, without a command)."""
     parser = argparse.ArgumentParser(
@@ -80,27 +108,8 @@ def build_parser():
                     'its moving statistics would not update. The same for every Python process '
                     'whose environment has %s=\'[options]\' (1: the defaults), with the package '
                     'installed.' % ENVIRONMENT_VARIABLE)
-    parser.add_argument('--num-dev', type=int, metavar='N',
-                        help='the number of towers of a script whose towers are tower_<i> / '
-                             'clone_<i> name scopes (not needed with tensorpack\'s trainers, '
-                             'tf.distribute or tower.TowerContext)')
-    parser.add_argument('--group-size', type=int, metavar='G',
-                        help='synchronize within groups of G consecutive towers (default: '
-                             'every tower)')
-    parser.add_argument('--backend', choices=BACKENDS, default='auto',
-                        help='the layers\' sync_statistics: auto (NCCL on GPUs, collective ops '
-                             'on CPUs), collective, nccl, horovod, or none (the library\'s '
-                             'layers with per-tower statistics); default: auto')
-    parser.add_argument('--timeout', type=float, metavar='SECONDS',
-                        help='a step whose all-reduce waits longer fails instead of hanging '
-                             '(sets %s; default 600)' % TIMEOUT_VARIABLE)
-    parser.add_argument('--strict', action='store_true',
-                        help='stop before the first training step (exit status %d) when a '
-                             'batch norm is not synchronized or its updates would not run'
-                             % STRICT_EXIT_STATUS)
-    parser.add_argument('--report', metavar='PATH',
-                        help='also write the audit as JSON to PATH ({worker} and {pid} are '
-                             'replaced; several workers without {worker}: PATH.worker<i>)')
+    for flag, keywords in OPTIONS:
+        parser.add_argument(flag, **keywords)
     parser.add_argument('-m', dest='module', nargs=argparse.REMAINDER, metavar='module',
                         help='run a module as a script, as python -m does')
     parser.add_argument('command', nargs=argparse.REMAINDER, metavar='script.py [args ...]',
@@ -154,8 +163,9 @@ def parse_environment(text):
         return None
     parser = build_parser()
     parser.prog = '%s=%r' % (ENVIRONMENT_VARIABLE, text)
-    parser.usage = ("%s='[--num-dev N] [--group-size G] [--backend B] [--timeout S] [--strict] "
-                    "[--report PATH]' (or 1: the defaults)" % ENVIRONMENT_VARIABLE)
+    parser.usage = "%s='%s' (or 1: the defaults)" % (ENVIRONMENT_VARIABLE, ' '.join(
+        '[%s]' % ' '.join((flag, keywords['metavar']) if 'metavar' in keywords else (flag,))
+        for flag, keywords in OPTIONS))
     try:
         words = [] if text.lower() in DEFAULTS else shlex.split(text)
     except ValueError as e:
@@ -169,14 +179,12 @@ def parse_environment(text):
 def options_text(options):
     """The command line of ``options`` (a parsed namespace), for ``TF1_SYNCBN_RUN``."""
     words = []
-    for name in ('num_dev', 'group_size', 'timeout', 'report'):
-        value = getattr(options, name)
-        if value is not None:
-            words += ['--' + name.replace('_', '-'), str(value)]
-    if options.backend != 'auto':
-        words += ['--backend', options.backend]
-    if options.strict:
-        words.append('--strict')
+    for flag, keywords in OPTIONS:
+        value = getattr(options, flag[2:].replace('-', '_'))
+        if keywords.get('action') == 'store_true':
+            words += [flag] if value else []
+        elif value is not None and value != keywords.get('default'):
+            words += [flag, str(value)]
     return ' '.join(shlex.quote(w) for w in words) or '1'
 
 

@@ -6,5 +6,7 @@ tf1_syncbn; :mod:`unchanged.harness` runs them under ``python -m tf1_syncbn.run`
 and under plain ``python`` (tests/run/). Each shows its style in full (model, tower or
 clone loop, kept update ops, gradient combination); what shows none (arguments, data, the
 session's steps and the saved variables) is in :mod:`unchanged.common`, as a user's own
-utility module would be.
+utility module would be, and so is ``cifar10_multi_gpu_train.py``'s tower loop, which
+``layers_towers.py``, ``hand_moments.py`` and ``already_patched.py`` share
+(``unchanged.common.tower_gradients``).
 """

@@ -1,9 +1,11 @@
-"""The unchanged scripts' own utility module: their arguments, data and training loop.
+"""The unchanged scripts' own utility module: arguments, data, a tower loop, the training loop.
 
 What a user keeps in a ``utils.py`` beside the training script: nothing of it
-shows a style. Each script keeps what does (its model, its tower or clone
-loop, the update ops it keeps, how it combines the towers' gradients), so
-that it reads as the user's script it stands for.
+shows a style but :func:`tower_gradients`, ``cifar10_multi_gpu_train.py``'s
+tower loop, which three of the scripts share. Each script keeps the rest of
+what does (its model, a tower or clone loop of another kind, the update ops
+it keeps, how it combines the towers' gradients), so that it reads as the
+user's script it stands for.
 """
 
 import json
@@ -33,6 +35,34 @@ def data(seed):
     rng = np.random.RandomState(seed)
     batches = (rng.randn(STEPS, BATCH, 5) * 2 + 1).astype(np.float32)
     return batches, rng.randn(5, 4).astype(np.float32)
+
+
+def tower_gradients(images, towers, opt, tower_loss):
+    """``cifar10_multi_gpu_train.py``'s tower loop: tower ``i`` on ``/cpu:i`` in ``tower_i``.
+
+    ``images`` is split into ``towers`` parts; the towers share their
+    variables (reused after the first tower's).
+
+    Args:
+      images: the global batch.
+      towers: the number of towers.
+      opt: the optimizer whose ``compute_gradients`` each tower's loss gets.
+      tower_loss: a tower's loss from its part of ``images``.
+
+    Returns:
+      ``(tower_grads, updates)``: each tower's ``(gradient, variable)``
+      pairs, and the ``UPDATE_OPS`` of the last tower's name scope (what that
+      script keeps).
+    """
+    tower_grads = []
+    with tf1.variable_scope(tf1.get_variable_scope()):
+        for i, x in enumerate(tf.split(images, towers)):
+            with tf.device('/cpu:%d' % i), tf1.name_scope('tower_%d' % i) as scope:
+                loss = tower_loss(x)
+                tf1.get_variable_scope().reuse_variables()
+                updates = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, scope)
+                tower_grads.append(opt.compute_gradients(loss))
+    return tower_grads, updates
 
 
 def train_and_save(train_op, images, batches, towers, out, variables=None):

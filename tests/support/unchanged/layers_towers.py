@@ -1,5 +1,6 @@
-"""A ``cifar10_multi_gpu_train.py``-style tf.layers script: ``tower_%d`` loop, the last tower's
-``UPDATE_OPS``. Unchanged under ``python -m tf1_syncbn.run`` (tests/run/test_run_scripts.py).
+"""A ``cifar10_multi_gpu_train.py``-style tf.layers script: ``tower_%d`` loop
+(``unchanged.common.tower_gradients``), the last tower's ``UPDATE_OPS``. Unchanged under
+``python -m tf1_syncbn.run`` (tests/run/test_run_scripts.py).
 
 Usage: ``python layers_towers.py TOWERS OUT.npz`` (the global batch is split into TOWERS;
 ``{worker}`` in OUT becomes the worker's index in ``TF_CONFIG``, for runs under the launcher).
@@ -8,7 +9,7 @@ Usage: ``python layers_towers.py TOWERS OUT.npz`` (the global batch is split int
 import tensorflow as tf
 
 import tf_behavior
-from unchanged.common import BATCH, arguments, data, train_and_save
+from unchanged.common import BATCH, arguments, data, tower_gradients, train_and_save
 
 tf_behavior.apply()
 tf1 = tf.compat.v1
@@ -29,14 +30,7 @@ def average_gradients(tower_grads):
 
 images = tf1.placeholder(tf.float32, [BATCH, 5])
 opt = tf1.train.GradientDescentOptimizer(0.5)
-tower_grads = []
-with tf1.variable_scope(tf1.get_variable_scope()):
-    for i, x in enumerate(tf.split(images, TOWERS)):
-        with tf.device('/cpu:%d' % i), tf1.name_scope('tower_%d' % i) as scope:
-            loss = tower_loss(x)
-            tf1.get_variable_scope().reuse_variables()
-            batchnorm_updates = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, scope)
-            tower_grads.append(opt.compute_gradients(loss))
+tower_grads, batchnorm_updates = tower_gradients(images, TOWERS, opt, tower_loss)
 apply_gradient_op = opt.apply_gradients(average_gradients(tower_grads))
 train_op = tf.group(apply_gradient_op, *batchnorm_updates)
 
