@@ -205,7 +205,8 @@ $(VENV)/.installed-horovod: $(VENV)/.installed-test tools/build_horovod.sh
 	touch $@
 
 # The Horovod backend run by Horovod itself: tests/with_horovod/ starts
-# horovodrun --gloo with 2 processes; both TF behaviours. CI runs it after make test.
+# horovodrun --gloo with 2 processes (4 for the conformance matrix's horovod column);
+# both TF behaviours. CI runs it after make test.
 test-horovod: horovod kernels
 	TF1_SYNCBN_TEST_BEHAVIOR=v2 $(PY) -m pytest -q tests/with_horovod $(PYTEST_ARGS)
 	TF1_SYNCBN_TEST_BEHAVIOR=v1 $(PY) -m pytest -q tests/with_horovod $(PYTEST_ARGS)

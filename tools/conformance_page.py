@@ -16,6 +16,7 @@ committed page is not what this writes.
 import argparse
 import collections
 import os
+import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,11 +48,19 @@ def counts():
     import suite_scope  # noqa: PLC0415
     cells = matrix.all_cells()
     runnable = matrix.runnable(cells)
-    covering = matrix.covering_set(runnable)
+    here = [cell for cell in runnable if cell.harness.runs_in is None]
+    covering = matrix.covering_set(here)
+    elsewhere = []
+    for harness in harnesses.HARNESSES:
+        if harness.runs_in:
+            column = [cell for cell in runnable if cell.harness is harness]
+            chosen = matrix.column_covering_set(column)
+            elsewhere.append((harness, len(column), len(chosen), len(matrix.v1_picks(chosen))))
     kinds = collections.Counter(cell.expected.kind for cell in cells)
     return {'all': len(cells), 'kinds': kinds, 'runnable': len(runnable),
             'covering': len(covering), 'v1': len(matrix.v1_picks(covering)),
-            'v1_full': len(matrix.v1_picks(runnable)), 'full': suite_scope.VARIABLE}
+            'v1_full': len(matrix.v1_picks(runnable)), 'full': suite_scope.VARIABLE,
+            'elsewhere': elsewhere}
 
 
 def render():
@@ -93,8 +102,12 @@ def render():
     add('* **Where**: `tests/conformance/test_conformance.py` (one graph per harness holds '
         'every cell that should build, each front-end on its own towers\' inputs in its '
         'own variable scope; each refusal is built alone); the axes and the expected '
-        'outcomes: `tests/support/conformance/matrix.py`.')
+        'outcomes: `tests/support/conformance/matrix.py`. A column whose cells need what '
+        '`make test` lacks runs in a module of its own, with the same checks: %s.'
+        % '; '.join('the `%s` column in %s' % (h.name, h.runs_in)
+                    for h in harnesses.HARNESSES if h.runs_in))
     add('')
+    elsewhere = number['elsewhere']
     out.extend(_table(['cells', 'number'], [
         ['in all (front-end x harness x option x kernel set)', str(number['all'])],
         ['matching the oracle', str(kinds[matrix.MATCH])],
@@ -102,10 +115,17 @@ def render():
         ['not applicable', str(kinds[matrix.NOT_APPLICABLE])],
         ['pending (run elsewhere, below)', str(kinds[matrix.PENDING])],
         ['`make test-full` runs, in each TF behaviour', str(number['runnable'])],
+    ] + [['of which the `%s` column\'s, in %s' % (harness.name, _make_target(harness)),
+          str(column)] for harness, column, _, _ in elsewhere] + [
         ['`make test` runs in the TF2-behaviour pass (every pair of front-end, harness, '
-         'option and kernel set that meets in a cell)', str(number['covering'])],
+         'option and kernel set that meets in a cell%s)'
+         % (', in the other columns' if elsewhere else ''), str(number['covering'])],
         ['`make test` runs in the TF1-behaviour pass (`matrix.v1_picks`)', str(number['v1'])],
-    ]))
+    ] + [row for harness, _, chosen, v1 in elsewhere for row in (
+        ['%s runs of the `%s` column in the TF2-behaviour pass '
+         '(`matrix.column_covering_set`: every front-end and option of the column, every '
+         'option on both kernel sets)' % (_make_target(harness), harness.name), str(chosen)],
+        ['%s runs of it in the TF1-behaviour pass' % _make_target(harness), str(v1)])]))
     add('')
     add('Counted on the newest supported TensorFlow; `tf.estimator`\'s columns exist on '
         'TensorFlow 2.15 only, where the version subset runs them.')
@@ -140,6 +160,8 @@ def render():
             add('')
             continue
         facts.append('a step runs the update ops of %s' % harness.keeps)
+        if harness.runs_in:
+            facts.append('its cells run in %s' % harness.runs_in)
         if 'versions' in harness.marks:
             facts.append('TensorFlow 2.15 only (`tf.estimator`): the version subset runs '
                          'these cells')
@@ -177,6 +199,11 @@ def render():
         add('* %s: %s.' % (_where(where), reason))
     add('')
     return '\n'.join(out)
+
+
+def _make_target(harness):
+    """The make target a column's ``runs_in`` names (``make test-horovod``)."""
+    return '`%s`' % re.search(r'make [\w-]+', harness.runs_in).group(0)
 
 
 def _sentence(parts):

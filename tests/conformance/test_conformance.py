@@ -23,18 +23,20 @@ harness, option and kernel set that meet in some cell meet in a chosen
 one), the TF1-behaviour pass its picks (``matrix.v1_picks``);
 ``make test-full`` every cell. The stock kernel set runs here where oneDNN
 is off, else in a child pytest with oneDNN off (``without_onednn``), which
-reuses this run's references.
+reuses this run's references. A column whose cells need what ``make test``
+does not have (``Harness.runs_in``: the ``horovod`` column, Horovod) is left
+out here: its own module runs its cells with this module's machinery
+(``conformance/check.py``), and :func:`test_columns_that_run_elsewhere` says
+where.
 """
 
 import os
 import pathlib
-import re
 
 import numpy as np
 import pytest
 
-from conformance import matrix, oracle, run
-from parity_harness import HALF_EPS, assert_same_numbers
+from conformance import check, harnesses, matrix, oracle
 from without_onednn import in_child, kernel_sets, run_stock_cases_without_onednn
 
 # The first test of a harness builds and runs its whole graph; the first test of the
@@ -59,17 +61,6 @@ def _param(cell):
     return pytest.param(cell, id=cell.id, marks=[MARKS[mark] for mark in cell.harness.marks])
 
 
-def _requests(cells):
-    """The references the cells need: (front-end, option, groups), once each."""
-    wanted = {}
-    for cell in cells:
-        outcome = cell.expected
-        if outcome.kind == matrix.MATCH:
-            wanted.setdefault(oracle.request_key(cell.front_end, cell.option, outcome.groups),
-                              (cell.front_end, cell.option, outcome.groups))
-    return wanted
-
-
 #: The comparison can fail: references of other groupings of one option's data, which
 #: ``test_the_oracle_tells_the_groupings_apart`` compares.
 GROUPINGS_OPTION = 'group_size=2'
@@ -87,8 +78,7 @@ def _grouping_requests():
 
 def _selected(session):
     """The cells of this run's selected tests (``-k``, ``-m``), the stock child's included."""
-    cells = [item.callspec.params['cell'] for item in session.items
-             if item.originalname == 'test_cell' and item.module.__name__ == __name__]
+    cells = check.selected_cells(session, __name__)
     if any(item.originalname == 'test_stock_kernel_cells_without_onednn'
            for item in session.items):
         cells += STOCK_ELSEWHERE
@@ -102,7 +92,7 @@ def reference_dir(request, tmp_path_factory):
     """
     if os.environ.get(REFERENCE_DIR_VARIABLE):
         return pathlib.Path(os.environ[REFERENCE_DIR_VARIABLE])
-    wanted = _requests(_selected(request.session))
+    wanted = check.requests(_selected(request.session))
     if any(item.originalname == 'test_the_oracle_tells_the_groupings_apart'
            for item in request.session.items):
         wanted.update(_grouping_requests())
@@ -119,64 +109,22 @@ def references(reference_dir):
 @pytest.fixture(scope='module')
 def harness_results():
     """``harness_results(harness)``: every cell of that harness here, run once (one graph)."""
-    done = {}
-
-    def get(harness):
-        if harness.name not in done:
-            cells = [cell for cell in HERE if cell.harness is harness]
-            match = [c for c in cells if c.expected.kind == matrix.MATCH]
-            refused = [c for c in cells if c.expected.kind == matrix.REFUSED]
-            if harness.workers:
-                # Worker processes (one launch for the column's cells of this run).
-                done[harness.name] = run.run_cells_in_workers(harness, match, refused)
-            else:
-                done[harness.name] = run.run_cells(type(harness), match, refused)
-        return done[harness.name]
-
-    return get
-
-
-def _describe(error):
-    return '%s: %s' % (type(error).__name__, ' '.join(str(error).split())[:1500])
+    return check.HarnessResults(HERE)
 
 
 @pytest.mark.parametrize('cell', [_param(cell) for cell in HERE])
 def test_cell(cell, references, harness_results):
-    outcome = cell.expected
-    result = harness_results(cell.harness)[cell.id]
-    if outcome.kind == matrix.REFUSED:
-        assert result.error is not None, (
-            'expected a refusal at graph build (%s), but the layer was built%s'
-            % (outcome.reason, '; it warned: %s' % result.warnings if result.warnings else ''))
-        assert isinstance(result.error, outcome.errors), (
-            'expected %s (%s), got %s' % ('/'.join(e.__name__ for e in outcome.errors),
-                                          outcome.reason, _describe(result.error)))
-        assert re.search(outcome.pattern, str(result.error)), (
-            'the refusal does not say what works instead (%s; %r): %s'
-            % (outcome.reason, outcome.pattern, _describe(result.error)))
-        return
-    assert result.error is None, 'expected to match the oracle (%s), got %s' % (
-        outcome.reason, _describe(result.error))
-    assert not result.warnings, 'a cell that matches may not warn: %s' % result.warnings
-    key = oracle.request_key(cell.front_end, cell.option, outcome.groups)
-    reference = references[key]
-    assert 'error' not in reference, 'the oracle failed: %s' % reference['error']
-    option = cell.option
-    case = {'name': cell.id, 'dtype': option.dtype, 'loc': option.loc, 'scale': option.scale}
-    if cell.front_end.family == 'moments' and option.dtype in HALF_EPS:
-        # moments returns statistics of the input's type: where two float32 sums differ
-        # by a rounding error, they round one unit apart, and so do the gradients of
-        # gamma and beta computed from them (to the type's resolution).
-        grads = {k for k in reference if k.startswith('grad/')}
-        assert_same_numbers({k: v for k, v in result.arrays.items() if k in grads},
-                            {k: v for k, v in reference.items() if k in grads},
-                            dict(case, tolerance=HALF_EPS[option.dtype] / 1e-4),
-                            len(option.sizes))
-        result.arrays = {k: v for k, v in result.arrays.items() if k not in grads}
-        reference = {k: v for k, v in reference.items() if k not in grads}
-    assert_same_numbers(result.arrays, reference, case, len(option.sizes))
-    if cell.kernels == 'stock':
-        assert result.kernel_ops == 0, 'the stock kernel set built compiled-kernel ops'
+    check.check_cell(cell, harness_results(cell.harness)[cell.id], references)
+
+
+def test_columns_that_run_elsewhere():
+    """The columns left out here (``Harness.runs_in``), named with where their cells run."""
+    elsewhere = [h for h in harnesses.HARNESSES if h.runs_in]
+    assert not [cell for cell in CELLS if cell.harness.runs_in]
+    if elsewhere:
+        pytest.skip('left out here: %s' % '; '.join(
+            'the %s column (%d cells of this run; they run in %s)'
+            % (h.name, len(matrix.selected(h)), h.runs_in) for h in elsewhere))
 
 
 @pytest.mark.once

@@ -10,7 +10,9 @@
   column of the matrix, or is named as no harness of its own; a new row
   without one fails here, naming it (shown with a synthetic row).
 * Every cell has a complete expected outcome; the pending columns say where
-  their cells run, and this module reports them (a skip listing them).
+  their cells run, and this module reports them (a skip listing them); a
+  column whose cells run in a module of their own (``Harness.runs_in``:
+  Horovod's, in ``make test-horovod``) names that module and make target.
 * docs/conformance.md is what ``tools/conformance_page.py`` writes.
 """
 
@@ -102,7 +104,7 @@ def test_every_cell_has_a_complete_expected_outcome():
 
 
 def test_the_covering_set_meets_every_pair():
-    runnable = matrix.runnable(matrix.all_cells())
+    runnable = [c for c in matrix.runnable(matrix.all_cells()) if c.harness.runs_in is None]
     chosen = matrix.covering_set(runnable)
     for i, j in ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)):
         met = {(f[i], f[j]) for f in map(matrix._factors, chosen)}  # noqa: SLF001
@@ -121,6 +123,22 @@ def test_pending_columns_say_where_their_cells_run():
                                 if c.expected.kind == matrix.PENDING)
     pytest.skip('pending: %s' % '; '.join(
         '%d cells of %s (run in %s)' % (cells[h.name], h.name, h.pending) for h in pending))
+
+
+def test_columns_that_run_elsewhere_name_their_module_and_target():
+    """A column left out of tests/conformance (``runs_in``) names the module that runs its
+    cells (it selects them: ``matrix.selected`` of that column) and the make target."""
+    with open(os.path.join(ROOT, 'Makefile'), encoding='utf-8') as f:
+        targets = set(re.findall(r'^([\w-]+):', f.read(), re.M))
+    for harness in [h for h in harnesses.HARNESSES if h.runs_in]:
+        paths = re.findall(r'tests/[\w/]+\.py', harness.runs_in)
+        assert len(paths) == 1 and os.path.isfile(os.path.join(ROOT, paths[0])), harness.name
+        with open(os.path.join(ROOT, paths[0]), encoding='utf-8') as f:
+            source = f.read()
+        assert "harnesses.BY_NAME['%s']" % harness.name in source, harness.name
+        assert 'matrix.selected(' in source and 'def test_cell(' in source, harness.name
+        assert re.search(r'make ([\w-]+)', harness.runs_in).group(1) in targets, harness.name
+        assert not harness.pending, harness.name
 
 
 def _page_module():

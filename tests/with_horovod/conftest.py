@@ -1,4 +1,4 @@
-"""The Horovod backend run for real: ``horovodrun --gloo`` with 2 processes (``make test-horovod``).
+"""The Horovod backend run for real: ``horovodrun --gloo``, 2 or 4 processes (make test-horovod).
 
 These tests need Horovod built against the installed TensorFlow (``make
 horovod``, ``tools/build_horovod.sh``). ``make test`` never collects this

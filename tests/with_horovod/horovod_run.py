@@ -1,4 +1,4 @@
-"""Starts a script under ``horovodrun --gloo`` on this machine, as a user would.
+"""Starts a script (or a command) under ``horovodrun --gloo`` on this machine, as a user would.
 
 ``horovodrun -np N -H localhost:N --gloo python SCRIPT ARGS`` with this
 interpreter; the job runs in its own process group, killed whole when it
@@ -57,9 +57,25 @@ def horovodrun(script, args=(), np=2, env=None, timeout=300, horovodrun_args=(),
     """
     if not os.path.isabs(script):
         script = os.path.join(HERE, script)
+    return run_command([sys.executable, script] + [str(a) for a in args], np=np, env=env,
+                       timeout=timeout, horovodrun_args=horovodrun_args, cwd=cwd)
+
+
+def run_command(command, np=2, env=None, timeout=300, horovodrun_args=(), cwd=None):
+    """Runs ``command`` (``[python, '-m', module, ...]``) under ``horovodrun --gloo``.
+
+    Args:
+      command: the command line each process runs.
+      np, env, timeout, horovodrun_args, cwd: as :func:`horovodrun`'s (``env`` is
+        added to this process's environment, overriding it).
+
+    Returns:
+      A :class:`Job` (call ``check()`` to require success).
+    """
     command = [HOROVODRUN, '-np', str(np), '-H', 'localhost:%d' % np, '--gloo'] + \
-        list(horovodrun_args) + [sys.executable, script] + [str(a) for a in args]
-    full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', PYTHONUNBUFFERED='1', **(env or {}))
+        list(horovodrun_args) + list(command)
+    full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', PYTHONUNBUFFERED='1')
+    full_env.update(env or {})
     start = time.time()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=full_env, start_new_session=True, text=True,

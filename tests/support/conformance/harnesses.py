@@ -10,10 +10,12 @@ all of them). ``run.py`` does the rest (data, the step, the variables, the
 ``Saver``).
 
 What users add in each harness (``num_dev`` where towers are only name
-scopes) is :attr:`Harness.num_dev`. A harness whose towers need other
-processes (worker processes, Horovod) is declared with where its cells run
-(:attr:`Harness.pending`), and one that does not exist on this TensorFlow
-says so (:meth:`Harness.unavailable`).
+scopes) is :attr:`Harness.num_dev`. A harness whose towers are other
+processes starts them itself (:attr:`Harness.workers`, :meth:`Harness.launch`);
+one whose cells need what ``make test`` does not have (Horovod) names the
+test module that runs them (:attr:`Harness.runs_in`); one not yet run by the
+matrix is declared with where its cells run (:attr:`Harness.pending`); one
+that does not exist on this TensorFlow says so (:meth:`Harness.unavailable`).
 
 To add a harness: a subclass here, an instance in :data:`HARNESSES`, and the
 row(s) of docs/harnesses.md's table it covers in :attr:`Harness.docs_rows`
@@ -63,6 +65,9 @@ class Harness(object):
     estimator = False
     #: Worker processes that run the column's cells (0: this process runs them).
     workers = 0
+    #: None: ``tests/conformance/`` runs the column's cells; else the test module (and make
+    #: target) that does, where they need what ``make test`` does not have (Horovod).
+    runs_in = None
 
     def unavailable(self):
         """Why the harness does not exist on this TensorFlow, or None."""
@@ -513,12 +518,73 @@ class MultiWorkerMirrored(_Pending):
     pending = 'tests/tower/test_tower_distribute_multi_worker.py (worker processes)'
 
 
-class Horovod(_Pending):
+class Horovod(Harness):
+    """Horovod's convention: one process per device under ``horovodrun --gloo``, 4 x 1 tower.
+
+    Each process builds its one tower outside any tower context (as a
+    Horovod script builds its model), and every layer passes
+    ``sync_statistics='horovod'``, as docs/horovod.md tells users: global
+    tower ``g`` is process ``g`` (``hvd.rank()``), so the 4 global towers are
+    the oracle's. The cells run in 4 processes started by ``horovodrun``
+    (``tests/with_horovod/horovod_run.py``) from ``run.run_cells_in_workers``;
+    a process runs ``run.run_cells`` on this harness after ``hvd.init()``.
+    Sync groups across processes are refused by the backend (a group would
+    need a Horovod process set, registered by ``hvd.init``).
+
+    Its cells need Horovod: they run in ``make test-horovod``
+    (:attr:`runs_in`), not in ``tests/conformance/``.
+    """
+
     name = 'horovod'
     title = "Horovod (`sync_statistics='horovod'`, one process per device)"
-    adds = "`sync_statistics='horovod'`"
+    adds = "`sync_statistics='horovod'` (one tower per process, built outside any tower)"
     docs_rows = ('one process per device under `horovodrun`, as `hvd.SyncBatchNormalization`',)
-    pending = 'make test-horovod (tests/with_horovod/test_horovod_parity.py)'
+    keeps = 'every process (its one tower)'
+    workers = opts.TOWERS
+    runs_in = 'tests/with_horovod/test_horovod_conformance.py (make test-horovod)'
+    #: Horovod's stall inspector ends a job whose processes wait on a peer that never
+    #: submits (a layer skipped): warning after W seconds, shutdown S seconds later
+    #: (docs/horovod.md), well within ``run.WORKERS_TIMEOUT``.
+    STALL_SECONDS = (60, 120)
+
+    def not_applicable(self, front_end, option):
+        del front_end
+        if not option.num_dev:
+            return ('one tower per process, built outside any tower: users pass no num_dev '
+                    'here')
+        return None
+
+    def launch(self, command, env, timeout):
+        # oneDNN off in every process: the one launch runs both kernel sets (the stock
+        # set's CPU stand-in for GPU towers needs it off, as without_onednn's child run).
+        from with_horovod.horovod_run import run_command  # noqa: PLC0415 - needs tests/
+        from without_onednn import CHILD_ENV  # noqa: PLC0415
+        warning, shutdown = self.STALL_SECONDS
+        env = dict(env, TF_ENABLE_ONEDNN_OPTS=CHILD_ENV['TF_ENABLE_ONEDNN_OPTS'])
+        job = run_command(command, np=self.workers, env=env, timeout=timeout,
+                          horovodrun_args=['--stall-check-warning-time-seconds', str(warning),
+                                           '--stall-check-shutdown-time-seconds',
+                                           str(shutdown)])
+        return job.returncode, job.output
+
+    def join(self):
+        import horovod.tensorflow as hvd  # noqa: PLC0415
+        from without_onednn import onednn_off_here  # noqa: PLC0415
+        hvd.init()
+        if hvd.size() != self.workers or not onednn_off_here():
+            raise RuntimeError('horovod: %d processes (expected %d), oneDNN %s (expected off)'
+                               % (hvd.size(), self.workers,
+                                  'off' if onednn_off_here() else 'on'))
+        return hvd.rank()
+
+    def tower_indices(self):
+        import horovod.tensorflow as hvd  # noqa: PLC0415
+        return [hvd.rank()]
+
+    def build_towers(self, tower_fn, towers):
+        del towers
+        with fes.synchronizing_with('horovod'):
+            return [tower_fn(self.tower_indices()[0])]
 
 
 HARNESSES = (TowerLoop(), TowerContextHarness(), ModelDeploy(), RegisteredPattern(),

@@ -99,11 +99,14 @@ def expect(front_end, harness, option, here=True):
        group; say ``sync_statistics='auto'``);
     5. ``sync_statistics=None`` gives per-tower statistics (tensorpack's
        default, and asked for elsewhere), the replaced layer's own;
-    6. a loop that names no tower is refused (the message names ``num_dev``
+    6. sync groups under Horovod, one tower per process, are refused (a group
+       across processes would need a Horovod process set; the message names
+       the groups that do work, and ``tf1_syncbn.distributed``);
+    7. a loop that names no tower is refused (the message names ``num_dev``
        and a tower name scope or ``TowerContext``);
-    7. a harness that names towers by name scopes only, without ``num_dev``,
+    8. a harness that names towers by name scopes only, without ``num_dev``,
        is refused (the message names ``num_dev``);
-    8. everything else matches the oracle on each group's batch.
+    9. everything else matches the oracle on each group's batch.
     """
     if harness.pending:
         return Outcome(PENDING, harness.pending)
@@ -118,6 +121,12 @@ def expect(front_end, harness, option, here=True):
                         "group_size with sync_statistics=None: pass sync_statistics='auto'")
     if option.sync is None:
         return _match(option)
+    if isinstance(harness, hs.Horovod) and len(option.groups) > 1:
+        return _refused(r"(?s)sync_statistics='horovod' cannot synchronize the group of towers.*"
+                        r'Horovod process set.*group_size that divides.*tf1_syncbn\.distributed',
+                        'sync groups across Horovod processes (one tower each): a group '
+                        'would need a Horovod process set, which hvd.init registers; the '
+                        'message names group_size within a process and tf1_syncbn.distributed')
     if isinstance(harness, hs.UnnamedLoop):
         return _refused(r'num_dev', 'towers it cannot name: pass num_dev with tower name '
                         'scopes, or build them in TowerContext')
@@ -219,16 +228,41 @@ def covering_set(cells):
             (cell.kernels == 'compiled' and cell.key in REGRESSIONS)]
 
 
-def selected():
+def column_covering_set(cells):
+    """A covering set of one column's ``cells`` (a column whose cells run in a module of
+    their own, :attr:`harnesses.Harness.runs_in`): every front-end and every option of
+    the column meets it in a chosen cell, and every option meets both kernel sets.
+
+    The pairs of the column with each other factor, as :func:`covering_set`
+    over every column meets them, and of option and kernel set (the paths the
+    two choose together: fused, renorm, ghost batches on either kernel set);
+    the other pairs are met in the other columns' cells.
+    """
+    import suite_scope  # noqa: PLC0415 - tests/support
+    return suite_scope.pairwise_of(cells, _factors, pairs=((1, 0), (1, 2), (2, 3)))
+
+
+def selected(harness=None):
     """The cells this run takes: ``make test``'s covering set, ``make test-full``'s all.
 
     Only the cells that run in the matrix (match or refused). In TF1
     behaviour, :func:`v1_picks` of them.
+
+    Args:
+      harness: None: the columns ``tests/conformance/`` runs (their
+        :attr:`harnesses.Harness.runs_in` is None), with :func:`covering_set`;
+        a column whose cells run in a module of their own: its cells, with
+        :func:`column_covering_set`.
     """
     import suite_scope  # noqa: PLC0415
     import tf_behavior  # noqa: PLC0415
     cells = runnable(all_cells())
-    chosen = suite_scope.covering(cells, covering_set(cells))
+    if harness is None:
+        cells = [cell for cell in cells if cell.harness.runs_in is None]
+        chosen = suite_scope.covering(cells, covering_set(cells))
+    else:
+        cells = [cell for cell in cells if cell.harness is harness]
+        chosen = suite_scope.covering(cells, column_covering_set(cells))
     return tf_behavior.pick(chosen, v1_picks(chosen))
 
 

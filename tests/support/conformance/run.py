@@ -565,6 +565,9 @@ WORKER_MODULE = 'conformance.worker'
 #: about 2 minutes, make test's 20 s; past it the launcher stops them and the run fails (a
 #: worker that waits on a peer that has gone must not hold CI for longer).
 WORKERS_TIMEOUT = 300
+#: ... plus this much per cell of the launch beyond :data:`WORKERS_CELLS` (the horovod
+#: column's make test-full launch holds both kernel sets' 348 cells, in 4 processes).
+WORKERS_CELLS, WORKERS_SECONDS_PER_CELL = 100, 2
 
 
 def save_worker_results(results, path):
@@ -624,8 +627,8 @@ def run_cells_in_workers(harness, cells, refused=()):
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2',
                    PYTHONPATH=support_paths.pythonpath(os.environ.get('PYTHONPATH')))
         command = [sys.executable, '-m', WORKER_MODULE, harness.name, out]
-        status, text = harness.launch(command + tf_behavior.flag() + ids, env,
-                                      WORKERS_TIMEOUT)
+        timeout = WORKERS_TIMEOUT + WORKERS_SECONDS_PER_CELL * max(len(ids) - WORKERS_CELLS, 0)
+        status, text = harness.launch(command + tf_behavior.flag() + ids, env, timeout)
         paths = [os.path.join(out, 'worker%d.pkl' % rank) for rank in range(harness.workers)]
         if status != 0 or not all(os.path.exists(p) for p in paths):
             raise RuntimeError('the conformance workers failed (%s):\n%s'
