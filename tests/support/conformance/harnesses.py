@@ -278,7 +278,8 @@ class _Strategy(Harness):
 
         with self.strategy.scope():
             self.strategy.run(replica_fn)
-        return [results[i] for i in range(towers)]
+        # This process's replicas, in order (global indices: a worker's are its own).
+        return [results[i] for i in sorted(results)]
 
     def replica_variables(self, variables, index):
         # The replica's own copy of a mirrored variable is what its tower reads.
@@ -449,7 +450,18 @@ class _Pending(Harness):
         return None
 
 
-class MultiWorker(Harness):
+class _Launched(Harness):
+    """A column whose workers ``tf1_syncbn.launch.Launcher`` starts on localhost (``TF_CONFIG``)."""
+
+    def launch(self, command, env, timeout):
+        from tf1_syncbn.launch import Launcher  # noqa: PLC0415
+        launcher = Launcher(command, self.workers, env=env, output=None).start()
+        status = launcher.wait(timeout=timeout)    # stops them all past it
+        return status, '\n'.join('[worker %d] %s' % (rank, line)
+                                 for rank, lines in enumerate(launcher.lines) for line in lines)
+
+
+class MultiWorker(_Launched):
     """Worker processes (``tf1_syncbn.distributed``): 2 workers x 2 towers each.
 
     Each worker builds its own towers in ``tower.call_for_each_tower`` on
@@ -471,12 +483,6 @@ class MultiWorker(Harness):
     workers = WORKERS
     #: The worker's ``tf1_syncbn.distributed`` cluster (set in a worker process by ``join``).
     cluster = None
-
-    def launch(self, command, env, timeout):
-        from tf1_syncbn.launch import Launcher  # noqa: PLC0415
-        launcher = Launcher(command, self.workers, env=env, output=None).start()
-        status = launcher.wait(timeout=timeout)    # stops them all past it
-        return status, '\n'.join(line for lines in launcher.lines for line in lines)
 
     def join(self):
         from tf1_syncbn.distributed import setup_cluster, wait_for_peers  # noqa: PLC0415
@@ -506,11 +512,54 @@ class MultiWorker(Harness):
         return self.cluster.config
 
 
-class MultiWorkerMirrored(_Pending):
+class MultiWorkerMirrored(_Launched, _Strategy):
+    """``tf.compat.v1.distribute.experimental.MultiWorkerMirroredStrategy``: 4 workers x 1 replica.
+
+    The strategy runs one replica per worker on CPUs (it counts GPUs only),
+    so global tower ``g`` is worker ``g``'s replica (``replica_id_in_sync_group``
+    ``g``), and the 4 global towers are the oracle's. Each worker sets up the
+    strategy as TensorFlow does for a v1 graph (as
+    ``tests/support/for_tower/distribute_worker.py``): the strategy reads
+    ``TF_CONFIG`` (the ``Launcher`` sets it), ``update_config_proto`` gives the
+    sessions' config (collective group leader, device filters), a
+    ``tf.distribute.Server`` for this task (:meth:`join`), the sessions on its
+    target; a new strategy per graph, as a script builds one in its graph. The
+    layers pass nothing: ``'auto'`` synchronizes over every worker's replica.
+    """
+
     name = 'multi_worker_mirrored'
-    title = '`MultiWorkerMirroredStrategy` (worker processes)'
+    title = '`tf.compat.v1.distribute.experimental.MultiWorkerMirroredStrategy` (worker processes)'
     docs_rows = ()
-    pending = 'tests/tower/test_tower_distribute_multi_worker.py (worker processes)'
+    #: One replica per worker process (global tower = rank).
+    workers = opts.TOWERS
+    #: The worker's server, its sessions' config and its rank (set in a worker by ``join``).
+    server = config = rank = None
+
+    def join(self):
+        import json  # noqa: PLC0415
+        import os  # noqa: PLC0415
+        spec = json.loads(os.environ['TF_CONFIG'])
+        rank = int(spec['task']['index'])
+        with tf.Graph().as_default():
+            config = tf1.distribute.experimental.MultiWorkerMirroredStrategy(
+            ).update_config_proto(tf1.ConfigProto())
+        server = tf.distribute.Server(tf.train.ClusterSpec(spec['cluster']), job_name='worker',
+                                      task_index=rank, config=config)
+        cls = type(self)
+        cls.server, cls.config, cls.rank = server, config, rank
+        return rank
+
+    def make_strategy(self, towers):
+        return tf1.distribute.experimental.MultiWorkerMirroredStrategy()
+
+    def tower_indices(self):
+        return [self.rank]
+
+    def session_target(self):
+        return self.server.target
+
+    def session_config(self, towers):
+        return self.config
 
 
 class Horovod(_Pending):

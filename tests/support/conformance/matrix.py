@@ -99,11 +99,15 @@ def expect(front_end, harness, option, here=True):
        group; say ``sync_statistics='auto'``);
     5. ``sync_statistics=None`` gives per-tower statistics (tensorpack's
        default, and asked for elsewhere), the replaced layer's own;
-    6. a loop that names no tower is refused (the message names ``num_dev``
+    6. sync groups under a multi-worker ``tf.distribute`` strategy are refused
+       (its workers each keep their first replica's moving statistics; the
+       message says to leave ``group_size`` unset, or to use
+       ``tf1_syncbn.distributed``);
+    7. a loop that names no tower is refused (the message names ``num_dev``
        and a tower name scope or ``TowerContext``);
-    7. a harness that names towers by name scopes only, without ``num_dev``,
+    8. a harness that names towers by name scopes only, without ``num_dev``,
        is refused (the message names ``num_dev``);
-    8. everything else matches the oracle on each group's batch.
+    9. everything else matches the oracle on each group's batch.
     """
     if harness.pending:
         return Outcome(PENDING, harness.pending)
@@ -118,6 +122,10 @@ def expect(front_end, harness, option, here=True):
                         "group_size with sync_statistics=None: pass sync_statistics='auto'")
     if option.sync is None:
         return _match(option)
+    if isinstance(harness, hs.MultiWorkerMirrored) and len(option.groups) > 1:
+        return _refused(r'(?s)not supported with multi-worker.*group_size unset',
+                        'sync groups under a multi-worker strategy: leave group_size unset, '
+                        'or use tf1_syncbn.distributed')
     if isinstance(harness, hs.UnnamedLoop):
         return _refused(r'num_dev', 'towers it cannot name: pass num_dev with tower name '
                         'scopes, or build them in TowerContext')
