@@ -534,6 +534,10 @@ class MultiWorkerMirrored(_Launched, _Strategy):
     workers = opts.TOWERS
     #: The worker's server, its sessions' config and its rank (set in a worker by ``join``).
     server = config = rank = None
+    #: Strategies made in this process (each graph's collectives get keys of their own).
+    strategies = 0
+    #: Collective group keys per strategy (a graph uses a few).
+    KEYS_PER_STRATEGY = 1000
 
     def join(self):
         import json  # noqa: PLC0415
@@ -550,7 +554,18 @@ class MultiWorkerMirrored(_Launched, _Strategy):
         return rank
 
     def make_strategy(self, towers):
-        return tf1.distribute.experimental.MultiWorkerMirroredStrategy()
+        # A strategy numbers its collectives (its variables' initial broadcasts) from
+        # _collective_key_base in each graph anew, and a worker's server keeps what it
+        # learnt of a key across sessions: a later graph whose variables have other shapes
+        # fails ("Shape mismatch in the collective instance"), and aborts every collective
+        # of the process. Each graph's strategy starts at a base of its own, as
+        # TensorFlow's tests set it (the same on every worker: they make the same graphs).
+        cls = type(self)
+        cls.strategies += 1
+        strategy_class = tf1.distribute.experimental.MultiWorkerMirroredStrategy
+        keyed = type(strategy_class.__name__, (strategy_class,),
+                     {'_collective_key_base': cls.strategies * self.KEYS_PER_STRATEGY})
+        return keyed()
 
     def tower_indices(self):
         return [self.rank]
