@@ -127,10 +127,16 @@ def harness_results():
             match = [c for c in cells if c.expected.kind == matrix.MATCH]
             refused = [c for c in cells if c.expected.kind == matrix.REFUSED]
             if harness.workers:
-                # Worker processes (one launch for the column's cells of this run).
-                done[harness.name] = run.run_cells_in_workers(harness, match, refused)
+                # Worker processes (one launch for the column's cells of this run; a failed
+                # launch fails each of its cells, and is not launched again for each).
+                try:
+                    done[harness.name] = run.run_cells_in_workers(harness, match, refused)
+                except Exception as e:  # noqa: BLE001 - raised again by each of its cells
+                    done[harness.name] = e
             else:
                 done[harness.name] = run.run_cells(type(harness), match, refused)
+        if isinstance(done[harness.name], Exception):
+            raise done[harness.name]
         return done[harness.name]
 
     return get

@@ -453,12 +453,21 @@ class _Pending(Harness):
 class _Launched(Harness):
     """A column whose workers ``tf1_syncbn.launch.Launcher`` starts on localhost (``TF_CONFIG``)."""
 
+    #: Seconds the other workers get to end on their own after one fails (then stopped).
+    GRACE = 5
+
     def launch(self, command, env, timeout):
         from tf1_syncbn.launch import Launcher  # noqa: PLC0415
-        launcher = Launcher(command, self.workers, env=env, output=None).start()
+        launcher = Launcher(command, self.workers, env=env, output=None,
+                            grace=self.GRACE).start()
         status = launcher.wait(timeout=timeout)    # stops them all past it
-        return status, '\n'.join('[worker %d] %s' % (rank, line)
-                                 for rank, lines in enumerate(launcher.lines) for line in lines)
+        # The worker that failed first last, where the caller's tail of the output shows it.
+        first = launcher.failed[0] if launcher.failed else None
+        ranks = sorted(range(self.workers), key=lambda rank: rank == first)
+        text = ['[worker %d] %s' % (rank, line) for rank in ranks for line in launcher.lines[rank]]
+        if first is not None:
+            text.append('[launcher] worker %d failed first (status %d)' % launcher.failed)
+        return status, '\n'.join(text)
 
 
 class MultiWorker(_Launched):
