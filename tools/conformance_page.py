@@ -2,7 +2,7 @@
 
 The page shows every cell of the matrix: supported (it matches the
 oracle), refused (with the gist of the message) or not applicable (with the
-reason), per harness; and the pending columns with where their cells run.
+reason), per harness.
 Run it after changing the matrix, with make test's environment (the newest
 TensorFlow)::
 
@@ -30,7 +30,7 @@ support_paths.install()   # tests/support, its for_<package>/ folders, the root
 
 from conformance import front_ends, harnesses, matrix, options  # noqa: E402
 
-SYMBOL = {matrix.MATCH: '✓', matrix.NOT_APPLICABLE: '–', matrix.PENDING: '…'}
+SYMBOL = {matrix.MATCH: '✓', matrix.NOT_APPLICABLE: '–'}
 
 
 def _table(header, rows):
@@ -113,7 +113,6 @@ def render():
         ['matching the oracle', str(kinds[matrix.MATCH])],
         ['refused at graph build', str(kinds[matrix.REFUSED])],
         ['not applicable', str(kinds[matrix.NOT_APPLICABLE])],
-        ['pending (run elsewhere, below)', str(kinds[matrix.PENDING])],
         ['`make test-full` runs, in each TF behaviour', str(number['runnable'])],
     ] + [['of which the `%s` column\'s, in %s' % (harness.name, _make_target(harness)),
           str(column)] for harness, column, _, _ in elsewhere] + [
@@ -154,11 +153,6 @@ def render():
         adds = harness.adds or (('`num_dev=%d`' % harness.num_dev) if harness.num_dev
                                  else 'nothing')
         facts = ['column `%s`' % harness.name, 'users add: %s' % adds]
-        if harness.pending:
-            add('%s. **Pending**: its cells run in %s, not yet in the matrix.'
-                % (_sentence(facts), harness.pending))
-            add('')
-            continue
         facts.append('a step runs the update ops of %s' % harness.keeps)
         if harness.runs_in:
             facts.append('its cells run in %s' % harness.runs_in)
@@ -213,7 +207,7 @@ def _sentence(parts):
 
 def _where(cells):
     """The cells of one reason in few words: rows, with which options, in which columns."""
-    every_column = {h.name for h in harnesses.HARNESSES if not h.pending}
+    every_column = {h.name for h in harnesses.HARNESSES}
     every_option = [o.name for o in options.OPTIONS]
     columns_of = collections.OrderedDict()        # (row, option) -> columns
     for fe, harness, option in cells:

@@ -107,9 +107,10 @@ def references(reference_dir):
 
 
 @pytest.fixture(scope='module')
-def harness_results():
-    """``harness_results(harness)``: every cell of that harness here, run once (one graph)."""
-    return check.HarnessResults(HERE)
+def harness_results(request):
+    """``harness_results(harness)``: the selected cells of that harness here (``-k``), run
+    once (one graph, or one launch of its workers)."""
+    return check.HarnessResults(check.selected_cells(request.session, __name__))
 
 
 @pytest.mark.parametrize('cell', [_param(cell) for cell in HERE])
@@ -138,6 +139,12 @@ def test_the_oracle_tells_the_groupings_apart(references):
             if front_end == 'sync_batch_norm':
                 key = 'var/BatchNorm/moving_mean'
                 assert not np.allclose(found[one][key], found[other][key], atol=1e-3)
+        if front_end == 'sync_batch_norm':
+            # ... and per-tower statistics read as tower 0's from their mean over the towers
+            # (tf-keras' own variables under a strategy: matrix.Outcome.replica_mean).
+            per_tower = found[GROUPINGS.index(((0,), (1,), (2,), (3,)))]
+            assert not np.allclose(per_tower['var/BatchNorm/moving_mean'],
+                                   per_tower['mean/BatchNorm/moving_mean'], atol=1e-3)
 
 
 @pytest.mark.skipif(not STOCK_ELSEWHERE or in_child(),

@@ -9,10 +9,10 @@
   what you add", the one list of the harnesses the library supports) has a
   column of the matrix, or is named as no harness of its own; a new row
   without one fails here, naming it (shown with a synthetic row).
-* Every cell has a complete expected outcome; the pending columns say where
-  their cells run, and this module reports them (a skip listing them); a
-  column whose cells run in a module of their own (``Harness.runs_in``:
-  Horovod's, in ``make test-horovod``) names that module and make target.
+* Every cell has a complete expected outcome (it matches, is refused, or
+  has no meaning in its column, with the reason); a column whose cells run
+  in a module of their own (``Harness.runs_in``: Horovod's, in
+  ``make test-horovod``) names that module and make target.
 * docs/conformance.md is what ``tools/conformance_page.py`` writes.
 """
 
@@ -86,8 +86,7 @@ def test_every_cell_has_a_complete_expected_outcome():
     assert len({cell.id for cell in cells}) == len(cells)
     for cell in cells:
         outcome = cell.expected
-        assert outcome.kind in (matrix.MATCH, matrix.REFUSED, matrix.NOT_APPLICABLE,
-                                matrix.PENDING), cell.id
+        assert outcome.kind in (matrix.MATCH, matrix.REFUSED, matrix.NOT_APPLICABLE), cell.id
         if outcome.kind == matrix.MATCH:
             towers = sorted(t for group in outcome.groups for t in group)
             assert towers == list(range(len(cell.option.sizes))), cell.id
@@ -112,19 +111,6 @@ def test_the_covering_set_meets_every_pair():
     assert {c.expected.kind for c in chosen} == {matrix.MATCH, matrix.REFUSED}
 
 
-def test_pending_columns_say_where_their_cells_run():
-    pending = [h for h in harnesses.HARNESSES if h.pending]
-    for harness in pending:
-        paths = re.findall(r'tests/[\w/]+\.py', harness.pending)
-        assert paths or 'make ' in harness.pending, harness.name
-        for path in paths:
-            assert os.path.isfile(os.path.join(ROOT, path)), (harness.name, path)
-    cells = collections.Counter(c.harness.name for c in matrix.all_cells()
-                                if c.expected.kind == matrix.PENDING)
-    pytest.skip('pending: %s' % '; '.join(
-        '%d cells of %s (run in %s)' % (cells[h.name], h.name, h.pending) for h in pending))
-
-
 def test_columns_that_run_elsewhere_name_their_module_and_target():
     """A column left out of tests/conformance (``runs_in``) names the module that runs its
     cells (it selects them: ``matrix.selected`` of that column) and the make target."""
@@ -138,7 +124,6 @@ def test_columns_that_run_elsewhere_name_their_module_and_target():
         assert "harnesses.BY_NAME['%s']" % harness.name in source, harness.name
         assert 'matrix.selected(' in source and 'def test_cell(' in source, harness.name
         assert re.search(r'make ([\w-]+)', harness.runs_in).group(1) in targets, harness.name
-        assert not harness.pending, harness.name
 
 
 def _page_module():

@@ -49,10 +49,16 @@ class HarnessResults(object):
             match = [c for c in cells if c.expected.kind == matrix.MATCH]
             refused = [c for c in cells if c.expected.kind == matrix.REFUSED]
             if harness.workers:
-                # Worker processes (one launch for the column's cells of this run).
-                self.done[harness.name] = run.run_cells_in_workers(harness, match, refused)
+                # Worker processes (one launch for the column's cells of this run; a failed
+                # launch fails each of its cells, and is not launched again for each).
+                try:
+                    self.done[harness.name] = run.run_cells_in_workers(harness, match, refused)
+                except Exception as e:  # noqa: BLE001 - raised again by each of its cells
+                    self.done[harness.name] = e
             else:
                 self.done[harness.name] = run.run_cells(type(harness), match, refused)
+        if isinstance(self.done[harness.name], Exception):
+            raise self.done[harness.name]
         return self.done[harness.name]
 
 
@@ -89,6 +95,11 @@ def check_cell(cell, result, references):
     key = oracle.request_key(cell.front_end, cell.option, outcome.groups)
     reference = references[key]
     assert 'error' not in reference, 'the oracle failed: %s' % reference['error']
+    means = {k[len('mean/'):]: v for k, v in reference.items() if k.startswith('mean/')}
+    reference = {k: v for k, v in reference.items() if not k.startswith('mean/')}
+    if outcome.replica_mean:
+        for kind in ('var', 'saved', 'restored'):
+            reference.update(('%s/%s' % (kind, rel), value) for rel, value in means.items())
     option = cell.option
     arrays = result.arrays
     case = {'name': cell.id, 'dtype': option.dtype, 'loc': option.loc, 'scale': option.scale}

@@ -13,9 +13,8 @@ What users add in each harness (``num_dev`` where towers are only name
 scopes) is :attr:`Harness.num_dev`. A harness whose towers are other
 processes starts them itself (:attr:`Harness.workers`, :meth:`Harness.launch`);
 one whose cells need what ``make test`` does not have (Horovod) names the
-test module that runs them (:attr:`Harness.runs_in`); one not yet run by the
-matrix is declared with where its cells run (:attr:`Harness.pending`); one
-that does not exist on this TensorFlow says so (:meth:`Harness.unavailable`).
+test module that runs them (:attr:`Harness.runs_in`); one that does not
+exist on this TensorFlow says so (:meth:`Harness.unavailable`).
 
 To add a harness: a subclass here, an instance in :data:`HARNESSES`, and the
 row(s) of docs/harnesses.md's table it covers in :attr:`Harness.docs_rows`
@@ -44,8 +43,6 @@ class Harness(object):
         names its towers).
       adds: what users add, for the page, where it is not ``num_dev``.
       keeps: whose update ops a step runs, for the page.
-      pending: None, or where the column's cells run instead (a test module
-        or make target), while they are not run by the matrix itself.
       marks: pytest marks of the column's cells (``versions``: the version
         subset runs them).
     """
@@ -56,7 +53,6 @@ class Harness(object):
     num_dev = None
     adds = None
     keeps = 'every tower'
-    pending = None
     marks = ()
     #: Builds its towers in threads (``tf.distribute``'s replicas): a patch is entered
     #: once around the whole build, as scripts do, not around each call.
@@ -65,6 +61,9 @@ class Harness(object):
     estimator = False
     #: Worker processes that run the column's cells (0: this process runs them).
     workers = 0
+    #: A ``tf.distribute`` strategy's replicas: tf-keras' moving statistics (synchronized
+    #: on read, MEAN) are one copy per replica, read, saved and restored as their mean.
+    replica_copies = False
     #: None: ``tests/conformance/`` runs the column's cells; else the test module (and make
     #: target) that does, where they need what ``make test`` does not have (Horovod).
     runs_in = None
@@ -268,6 +267,7 @@ class _Strategy(Harness):
                  '`tf.compat.v1.distribute.experimental.MultiWorkerMirroredStrategy`)',)
     keeps = 'every replica (the strategy merges them)'
     threaded = True
+    replica_copies = True
 
     def make_strategy(self, towers):
         raise NotImplementedError
@@ -283,7 +283,8 @@ class _Strategy(Harness):
 
         with self.strategy.scope():
             self.strategy.run(replica_fn)
-        return [results[i] for i in range(towers)]
+        # This process's replicas, in order (global indices: a worker's are its own).
+        return [results[i] for i in sorted(results)]
 
     def replica_variables(self, variables, index):
         # The replica's own copy of a mirrored variable is what its tower reads.
@@ -420,6 +421,7 @@ class EstimatorMirrored(_Estimator):
                  '(...))`',)
     keeps = 'every replica (the strategy merges them)'
     threaded = True
+    replica_copies = True
     model_fn_per_replica = True
 
     def run_config(self, towers):
@@ -447,14 +449,27 @@ class EstimatorTowers(_Estimator, TowerLoop):
         return tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
 
 
-class _Pending(Harness):
-    """A column whose towers are other processes: its cells run elsewhere (``pending``)."""
+class _Launched(Harness):
+    """A column whose workers ``tf1_syncbn.launch.Launcher`` starts on localhost (``TF_CONFIG``)."""
 
-    def not_applicable(self, front_end, option):
-        return None
+    #: Seconds the other workers get to end on their own after one fails (then stopped).
+    GRACE = 5
+
+    def launch(self, command, env, timeout):
+        from tf1_syncbn.launch import Launcher  # noqa: PLC0415
+        launcher = Launcher(command, self.workers, env=env, output=None,
+                            grace=self.GRACE).start()
+        status = launcher.wait(timeout=timeout)    # stops them all past it
+        # The worker that failed first last, where the caller's tail of the output shows it.
+        first = launcher.failed[0] if launcher.failed else None
+        ranks = sorted(range(self.workers), key=lambda rank: rank == first)
+        text = ['[worker %d] %s' % (rank, line) for rank in ranks for line in launcher.lines[rank]]
+        if first is not None:
+            text.append('[launcher] worker %d failed first (status %d)' % launcher.failed)
+        return status, '\n'.join(text)
 
 
-class MultiWorker(Harness):
+class MultiWorker(_Launched):
     """Worker processes (``tf1_syncbn.distributed``): 2 workers x 2 towers each.
 
     Each worker builds its own towers in ``tower.call_for_each_tower`` on
@@ -476,12 +491,6 @@ class MultiWorker(Harness):
     workers = WORKERS
     #: The worker's ``tf1_syncbn.distributed`` cluster (set in a worker process by ``join``).
     cluster = None
-
-    def launch(self, command, env, timeout):
-        from tf1_syncbn.launch import Launcher  # noqa: PLC0415
-        launcher = Launcher(command, self.workers, env=env, output=None).start()
-        status = launcher.wait(timeout=timeout)    # stops them all past it
-        return status, '\n'.join(line for lines in launcher.lines for line in lines)
 
     def join(self):
         from tf1_syncbn.distributed import setup_cluster, wait_for_peers  # noqa: PLC0415
@@ -511,11 +520,69 @@ class MultiWorker(Harness):
         return self.cluster.config
 
 
-class MultiWorkerMirrored(_Pending):
+class MultiWorkerMirrored(_Launched, _Strategy):
+    """``tf.compat.v1.distribute.experimental.MultiWorkerMirroredStrategy``: 4 workers x 1 replica.
+
+    The strategy runs one replica per worker on CPUs (it counts GPUs only),
+    so global tower ``g`` is worker ``g``'s replica (``replica_id_in_sync_group``
+    ``g``), and the 4 global towers are the oracle's. Each worker sets up the
+    strategy as TensorFlow does for a v1 graph (as
+    ``tests/support/for_tower/distribute_worker.py``): the strategy reads
+    ``TF_CONFIG`` (the ``Launcher`` sets it), ``update_config_proto`` gives the
+    sessions' config (collective group leader, device filters), a
+    ``tf.distribute.Server`` for this task (:meth:`join`), the sessions on its
+    target; a new strategy per graph, as a script builds one in its graph. The
+    layers pass nothing: ``'auto'`` synchronizes over every worker's replica.
+    """
+
     name = 'multi_worker_mirrored'
-    title = '`MultiWorkerMirroredStrategy` (worker processes)'
+    title = '`tf.compat.v1.distribute.experimental.MultiWorkerMirroredStrategy` (worker processes)'
     docs_rows = ()
-    pending = 'tests/tower/test_tower_distribute_multi_worker.py (worker processes)'
+    #: One replica per worker process (global tower = rank).
+    workers = opts.TOWERS
+    #: The worker's server, its sessions' config and its rank (set in a worker by ``join``).
+    server = config = rank = None
+    #: Strategies made in this process (each graph's collectives get keys of their own).
+    strategies = 0
+    #: Collective group keys per strategy (a graph uses a few).
+    KEYS_PER_STRATEGY = 1000
+
+    def join(self):
+        import json  # noqa: PLC0415
+        import os  # noqa: PLC0415
+        spec = json.loads(os.environ['TF_CONFIG'])
+        rank = int(spec['task']['index'])
+        with tf.Graph().as_default():
+            config = tf1.distribute.experimental.MultiWorkerMirroredStrategy(
+            ).update_config_proto(tf1.ConfigProto())
+        server = tf.distribute.Server(tf.train.ClusterSpec(spec['cluster']), job_name='worker',
+                                      task_index=rank, config=config)
+        cls = type(self)
+        cls.server, cls.config, cls.rank = server, config, rank
+        return rank
+
+    def make_strategy(self, towers):
+        # A strategy numbers its collectives (its variables' initial broadcasts) from
+        # _collective_key_base in each graph anew, and a worker's server keeps what it
+        # learnt of a key across sessions: a later graph whose variables have other shapes
+        # fails ("Shape mismatch in the collective instance"), and aborts every collective
+        # of the process. Each graph's strategy starts at a base of its own, as
+        # TensorFlow's tests set it (the same on every worker: they make the same graphs).
+        cls = type(self)
+        cls.strategies += 1
+        strategy_class = tf1.distribute.experimental.MultiWorkerMirroredStrategy
+        keyed = type(strategy_class.__name__, (strategy_class,),
+                     {'_collective_key_base': cls.strategies * self.KEYS_PER_STRATEGY})
+        return keyed()
+
+    def tower_indices(self):
+        return [self.rank]
+
+    def session_target(self):
+        return self.server.target
+
+    def session_config(self, towers):
+        return self.config
 
 
 class Horovod(Harness):

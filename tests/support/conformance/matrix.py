@@ -46,7 +46,7 @@ KERNEL_SETS = ('compiled', 'stock')
 #: ``without_onednn.kernel_set``'s names for them.
 KERNEL_SET_NAMES = {'compiled': 'custom', 'stock': 'stock'}
 
-MATCH, REFUSED, NOT_APPLICABLE, PENDING = 'match', 'refused', 'n/a', 'pending'
+MATCH, REFUSED, NOT_APPLICABLE = 'match', 'refused', 'n/a'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,13 +54,17 @@ class Outcome:
     """What a cell must do.
 
     Attributes:
-      kind: :data:`MATCH`, :data:`REFUSED`, :data:`NOT_APPLICABLE` or :data:`PENDING`.
+      kind: :data:`MATCH`, :data:`REFUSED` or :data:`NOT_APPLICABLE`.
       reason: why (n/a, pending: where it runs; refused: the message's gist;
         match: which statistics).
       groups: (match) the groups of towers whose concatenated batches the
         oracle normalizes with.
       errors: (refused) the exception types accepted.
       pattern: (refused) a regular expression the message must match.
+      replica_mean: (match) the variables read, saved and restored are the
+        mean over the towers of each one's group's (tf-keras' own variables
+        under a ``tf.distribute`` strategy: one copy per replica, averaged on
+        read); else global tower 0's group's.
     """
 
     kind: str
@@ -68,6 +72,7 @@ class Outcome:
     groups: tuple = ()
     errors: tuple = ()
     pattern: str = ''
+    replica_mean: bool = False
 
 
 def _match(option, reason=None):
@@ -91,25 +96,28 @@ def expect(front_end, harness, option, here=True):
 
     The rules, in order (the first that applies decides):
 
-    1. a harness whose cells run elsewhere is pending there;
-    2. a harness this TensorFlow lacks (``tf.estimator`` after 2.15) is n/a;
-    3. an option the front-end does not have, or a cell the harness gives no
+    1. a harness this TensorFlow lacks (``tf.estimator`` after 2.15) is n/a;
+    2. an option the front-end does not have, or a cell the harness gives no
        meaning, is n/a;
-    4. ``group_size`` with ``sync_statistics=None`` is refused (nothing to
+    3. ``group_size`` with ``sync_statistics=None`` is refused (nothing to
        group; say ``sync_statistics='auto'``);
-    5. ``sync_statistics=None`` gives per-tower statistics (tensorpack's
-       default, and asked for elsewhere), the replaced layer's own;
-    6. sync groups under Horovod, one tower per process, are refused (a group
+    4. ``sync_statistics=None`` gives per-tower statistics (tensorpack's
+       default, and asked for elsewhere), the replaced layer's own; the Keras
+       front-ends then keep tf-keras' own moving statistics, which a
+       ``tf.distribute`` strategy keeps per replica and averages on read (as
+       tf-keras' own layer there: ``Harness.replica_copies``);
+    5. sync groups under Horovod, one tower per process, are refused (a group
        across processes would need a Horovod process set; the message names
-       the groups that do work, and ``tf1_syncbn.distributed``);
-    7. a loop that names no tower is refused (the message names ``num_dev``
+       the groups that do work, and ``tf1_syncbn.distributed``); so are sync
+       groups under a multi-worker ``tf.distribute`` strategy (its workers
+       each keep their first replica's moving statistics; the message says to
+       leave ``group_size`` unset, or to use ``tf1_syncbn.distributed``);
+    6. a loop that names no tower is refused (the message names ``num_dev``
        and a tower name scope or ``TowerContext``);
-    8. a harness that names towers by name scopes only, without ``num_dev``,
+    7. a harness that names towers by name scopes only, without ``num_dev``,
        is refused (the message names ``num_dev``);
-    9. everything else matches the oracle on each group's batch.
+    8. everything else matches the oracle on each group's batch.
     """
-    if harness.pending:
-        return Outcome(PENDING, harness.pending)
     missing = harness.unavailable() if here else None
     if missing:
         return Outcome(NOT_APPLICABLE, 'not available on this TensorFlow: ' + missing)
@@ -120,6 +128,12 @@ def expect(front_end, harness, option, here=True):
         return _refused(r"(?s)group_size.*sync_statistics|sync_statistics.*group_size",
                         "group_size with sync_statistics=None: pass sync_statistics='auto'")
     if option.sync is None:
+        if front_end.family == 'keras' and harness.replica_copies:
+            return dataclasses.replace(
+                _match(option), replica_mean=True,
+                reason="each tower its own statistics; tf-keras' moving statistics, one copy "
+                       'per replica, read as their mean (as tf-keras\' own layer under the '
+                       'strategy)')
         return _match(option)
     if isinstance(harness, hs.Horovod) and len(option.groups) > 1:
         return _refused(r"(?s)sync_statistics='horovod' cannot synchronize the group of towers.*"
@@ -127,6 +141,10 @@ def expect(front_end, harness, option, here=True):
                         'sync groups across Horovod processes (one tower each): a group '
                         'would need a Horovod process set, which hvd.init registers; the '
                         'message names group_size within a process and tf1_syncbn.distributed')
+    if isinstance(harness, hs.MultiWorkerMirrored) and len(option.groups) > 1:
+        return _refused(r'(?s)not supported with multi-worker.*group_size unset',
+                        'sync groups under a multi-worker strategy: leave group_size unset, '
+                        'or use tf1_syncbn.distributed')
     if isinstance(harness, hs.UnnamedLoop):
         return _refused(r'num_dev', 'towers it cannot name: pass num_dev with tower name '
                         'scopes, or build them in TowerContext')

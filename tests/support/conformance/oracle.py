@@ -14,7 +14,11 @@ the upstream gradients of the cell's data. Its arrays are keyed as
   a shared variable adds up);
 * ``var/``, ``saved/``, ``restored/<variable>``: after the step, those of
   **global tower 0's group** (docs/sync-groups.md): the values every
-  harness must read back, save and restore.
+  harness must read back, save and restore;
+* ``mean/<variable>``: the mean over the towers of each tower's group's
+  values: what tf-keras' own layer reads, saves and restores under a
+  ``tf.distribute`` strategy, which keeps each replica's copy of a moving
+  statistic and averages them on read (``matrix.Outcome.replica_mean``).
 
 Every reference of a test run is computed in one subprocess with legacy
 Keras (``legacy_reference.run_reference``: a fork of an interpreter that
@@ -167,6 +171,9 @@ def _references(option, requests):
         for rel, value in read[key][main].items():
             for kind in ('var', 'saved', 'restored'):
                 out['%s/%s' % (kind, rel)] = value
+            out['mean/' + rel] = np.mean(
+                [np.asarray(read[key][g][rel], np.float64)
+                 for g, part in enumerate(parts) for _ in part[0]], axis=0)
     return arrays, errors
 
 

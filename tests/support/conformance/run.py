@@ -102,22 +102,28 @@ def _tag(error, cell):
     return error
 
 
-def run_cells(harness_type, cells, refused=()):
+def run_cells(harness_type, cells, refused=(), agreement=None):
     """Runs ``cells`` (expected to build) and ``refused`` (each alone) in one harness.
 
     Args:
       harness_type: a ``harnesses.Harness`` subclass (a fresh one per graph).
       cells: cells expected to build and match (``matrix.Cell``).
       refused: cells expected to be refused at graph build.
+      agreement: in a worker process, its :class:`Agreement` with the other
+        workers (each graph's step runs only once every worker built the
+        same cells).
 
     Returns:
       ``{cell id: Result}``.
+
+    Raises:
+      WorkersDiverged: (``agreement``) another worker built other cells.
     """
     results = {}
     for cell in refused:
         results[cell.id] = _build_alone(harness_type, cell)
     for part in _partition(harness_type, cells):
-        results.update(_run_part(harness_type, part))
+        results.update(_run_part(harness_type, part, agreement))
     return results
 
 
@@ -151,7 +157,7 @@ def _num_dev(harness, cell):
     return harness.num_dev if cell.option.num_dev else None
 
 
-def _run_part(harness_type, cells):
+def _run_part(harness_type, cells, agreement=None):
     """Runs cells in one graph; the cells that fail it are taken out, the others run again.
 
     A failure that names no cell (a check over every tower's layers that names
@@ -161,20 +167,24 @@ def _run_part(harness_type, cells):
     remaining = list(cells)
     while remaining:
         try:
-            results.update(_run_graph(harness_type, remaining))
+            results.update(_run_graph(harness_type, remaining, agreement))
             break
+        except WorkersDiverged:
+            raise
         except Exception as e:  # noqa: BLE001 - a cell's error is its result
             culprits = _culprits(e, remaining)
             if not culprits and len(remaining) > 1:
                 half = len(remaining) // 2
                 for part in (remaining[:half], remaining[half:]):
-                    results.update(_run_part(harness_type, part))
+                    results.update(_run_part(harness_type, part, agreement))
                 break
             culprits = culprits or remaining
             for cell in culprits:
                 error = e.errors[cell.id] if isinstance(e, _Failed) else e
                 results[cell.id] = Result(error=_detached(error), warnings=getattr(
                     e, 'conformance_warnings', {}).get(cell.id, []))
+                if agreement is not None:
+                    agreement.failed(cell, error)
             remaining = [cell for cell in remaining if cell not in culprits]
     return results
 
@@ -358,7 +368,7 @@ def _place(parts, sizes, indices):
     return out
 
 
-def _run_graph(harness_type, cells):
+def _run_graph(harness_type, cells, agreement=None):
     harness = harness_type()
     if harness.estimator:
         return _run_estimator(harness, cells)
@@ -377,6 +387,8 @@ def _run_graph(harness_type, cells):
         saver = tf1.train.Saver(tf1.global_variables())
         init = tf1.global_variables_initializer()
         local_init = tf1.local_variables_initializer()
+    if agreement is not None:
+        agreement.check(cells)      # before the first collective of the graph
     options = tf1.RunOptions(timeout_in_ms=STEP_TIMEOUT_MS)
     config = harness.session_config(len(towers))
     target = harness.session_target()
@@ -561,13 +573,122 @@ def _kernel_ops(graph, cells):
 
 #: The worker's module (``python -m conformance.worker HARNESS OUT CELL_ID...``).
 WORKER_MODULE = 'conformance.worker'
-#: How long the workers of one run may take: make test-full's cells of one kernel set take
-#: about 2 minutes, make test's 20 s; past it the launcher stops them and the run fails (a
-#: worker that waits on a peer that has gone must not hold CI for longer).
-WORKERS_TIMEOUT = 300
-#: ... plus this much per cell of the launch beyond :data:`WORKERS_CELLS` (the horovod
-#: column's make test-full launch holds both kernel sets' 348 cells, in 4 processes).
-WORKERS_CELLS, WORKERS_SECONDS_PER_CELL = 100, 2
+#: How long the workers of one run may take: this, plus :data:`WORKERS_SECONDS_PER_CELL` per
+#: cell (:func:`workers_timeout`). make test's cells of a column take 20 to 60 s on 2 busy
+#: cores, make test-full's of one kernel set 2 (multi_worker) to 5 minutes
+#: (multi_worker_mirrored, 4 processes); past it the launcher stops them and the run fails.
+#: (A worker that fails, or builds other cells than its peers, ends the run at once:
+#: :class:`Agreement`.)
+WORKERS_TIMEOUT = 120
+WORKERS_SECONDS_PER_CELL = 4
+
+
+def workers_timeout(cells):
+    """Seconds the workers of a run of ``cells`` cells may take."""
+    return WORKERS_TIMEOUT + WORKERS_SECONDS_PER_CELL * cells
+
+
+class WorkersDiverged(RuntimeError):
+    """The workers built different graphs: their collectives would wait on each other."""
+
+
+class Agreement(object):
+    """A worker's check that every worker built the same cells before a graph's step.
+
+    Every worker builds the same graphs in the same order; a cell that fails
+    at build on one worker only (a broken worker) would leave the others'
+    collectives waiting on it until the step's timeout, and then split the
+    graph and wait again. Before each graph's first ``session.run``, each worker
+    writes the cells it built (and the build errors it has had) to a file of
+    the run's folder (every worker is on this host: ``Harness.launch``), and
+    waits for every other worker's file of that graph, or the file that says
+    it has ended (:meth:`end`): where they differ, it raises
+    :class:`WorkersDiverged`, naming the cells they differ in and the other
+    worker's errors, and the worker exits with it (the launcher then stops
+    the others).
+
+    Args:
+      folder: the run's folder (``run_cells_in_workers``' ``OUT``).
+      rank: this worker's rank.
+      workers: how many workers.
+      timeout: seconds to wait for another worker's file; None: until it is
+        there (the launcher stops the run at its timeout anyway, and at once
+        when a worker has failed).
+    """
+
+    def __init__(self, folder, rank, workers, timeout=None):
+        self.folder, self.rank, self.workers, self.timeout = folder, rank, workers, timeout
+        self.graphs = 0
+        self.errors = {}
+
+    def failed(self, cell, error):
+        """Records a cell's error on this worker (for the others' message)."""
+        self.errors[cell.id] = '%s: %s' % (type(error).__name__, ' '.join(str(error).split())[:600])
+
+    def _write(self, name, content):
+        import json  # noqa: PLC0415
+        path = os.path.join(self.folder, name)
+        with open(path + '.tmp', 'w') as f:
+            json.dump(content, f)
+        os.replace(path + '.tmp', path)
+
+    def _read(self, name):
+        import json  # noqa: PLC0415
+        path = os.path.join(self.folder, name)
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            return json.load(f)
+
+    def end(self):
+        """Says that this worker has built every graph (and its errors)."""
+        self._write('end.worker%d.json' % self.rank, {'graphs': self.graphs,
+                                                      'errors': self.errors})
+
+    def check(self, cells):
+        """Returns once every worker built ``cells`` in its graph of this number.
+
+        Raises:
+          WorkersDiverged: another worker built other cells, ended without
+            this graph, or did not build it within ``timeout`` s.
+
+        Hangs: up to ``timeout`` s (None: until the launcher stops the run),
+        waiting for the slowest worker's build.
+        """
+        import time  # noqa: PLC0415
+        graph, self.graphs = self.graphs, self.graphs + 1
+        mine = sorted(cell.id for cell in cells)
+        self._write('graph%d.worker%d.json' % (graph, self.rank), {'cells': mine,
+                                                                   'errors': self.errors})
+        deadline = None if self.timeout is None else time.time() + self.timeout
+        for rank in range(self.workers):
+            while True:
+                theirs = self._read('graph%d.worker%d.json' % (graph, rank))
+                ended = None if theirs else self._read('end.worker%d.json' % rank)
+                if theirs or ended:
+                    break
+                if deadline is not None and time.time() > deadline:
+                    raise WorkersDiverged('conformance worker %d: worker %d did not build its '
+                                          'graph %d within %g s' % (self.rank, rank, graph,
+                                                                    self.timeout))
+                time.sleep(0.05)
+            if ended:
+                raise WorkersDiverged(
+                    'conformance worker %d: worker %d ended after %d graphs, while this one '
+                    'built graph %d (%d cells): they built different cells; worker %d\'s '
+                    'errors: %s' % (self.rank, rank, ended['graphs'], graph, len(mine), rank,
+                                    _listed(ended['errors'])))
+            if theirs['cells'] != mine:
+                differ = sorted(set(mine) ^ set(theirs['cells']))
+                raise WorkersDiverged(
+                    'conformance worker %d: workers %d and %d built different cells in graph '
+                    '%d: %s built by one of them only; worker %d\'s errors: %s'
+                    % (self.rank, self.rank, rank, graph, differ, rank,
+                       _listed(theirs['errors'])))
+
+
+def _listed(errors):
+    return '; '.join('%s: %s' % item for item in sorted(errors.items())) or 'none'
 
 
 def save_worker_results(results, path):
@@ -627,8 +748,8 @@ def run_cells_in_workers(harness, cells, refused=()):
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2',
                    PYTHONPATH=support_paths.pythonpath(os.environ.get('PYTHONPATH')))
         command = [sys.executable, '-m', WORKER_MODULE, harness.name, out]
-        timeout = WORKERS_TIMEOUT + WORKERS_SECONDS_PER_CELL * max(len(ids) - WORKERS_CELLS, 0)
-        status, text = harness.launch(command + tf_behavior.flag() + ids, env, timeout)
+        status, text = harness.launch(command + tf_behavior.flag() + ids, env,
+                                      workers_timeout(len(ids)))
         paths = [os.path.join(out, 'worker%d.pkl' % rank) for rank in range(harness.workers)]
         if status != 0 or not all(os.path.exists(p) for p in paths):
             raise RuntimeError('the conformance workers failed (%s):\n%s'
@@ -650,9 +771,18 @@ def _assemble(parts, same_variables=True):
     """
     warnings_ = [w for part in parts for w in part.warnings if w not in parts[0].warnings]
     warnings_ = parts[0].warnings + warnings_
-    for part in parts:
-        if part.error is not None:
-            return Result(error=part.error, warnings=warnings_)
+    errors = [part.error for part in parts]
+    if any(error is not None for error in errors):
+        first = next(error for error in errors if error is not None)
+        if all(type(error) is type(first) for error in errors):
+            return Result(error=first, warnings=warnings_)
+        # Not the same on every worker (a worker's own failure): each worker's.
+        return Result(error=RuntimeError('the workers disagree: %s' % '; '.join(
+            'worker %d %s' % (rank, 'built it' if error is None else 'raised %s: %s' % (
+                type(error).__name__, error)) for rank, error in enumerate(errors))),
+            warnings=warnings_)
+    if parts[0].arrays is None:
+        return Result(warnings=warnings_)        # a cell expected to be refused, built
     arrays = {}
     for key, value in parts[0].arrays.items():
         values = [part.arrays[key] for part in parts]

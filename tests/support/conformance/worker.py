@@ -10,7 +10,10 @@ to ``OUT/worker<rank>.pkl``: its towers' rows of the outputs and input
 gradients, its towers' sums of the parameter gradients, its variables.
 Every worker builds and runs the same graphs in the same order (a cell
 refused or failed on one fails the same way on the others), so their
-collectives meet.
+collectives meet; before each graph's step they check that they built the
+same cells (``run.Agreement``). A worker that fails, or finds that another
+built other cells, exits with status 1 and its error at once (the launcher
+then stops the others).
 """
 
 import os
@@ -28,7 +31,6 @@ def main(argv):
         argv = [a for a in argv if a != '--tf1-behavior']
     tf_behavior.apply()
     from conformance import harnesses, matrix, run
-    from tf1_syncbn.distributed import hard_exit
 
     name, out, ids = argv[0], argv[1], argv[2:]
     harness = harnesses.BY_NAME[name]
@@ -36,11 +38,23 @@ def main(argv):
     match = [cells[i] for i in ids if not i.startswith('refused:')]
     refused = [cells[i[len('refused:'):]] for i in ids if i.startswith('refused:')]
     rank = harness.join()
-    results = run.run_cells(type(harness), match, refused)
+    agreement = run.Agreement(out, rank, harness.workers)
+    results = run.run_cells(type(harness), match, refused, agreement)
+    agreement.end()
     run.save_worker_results(results, os.path.join(out, 'worker%d.pkl' % rank))
     print('conformance worker %d: %d cells' % (rank, len(results)), flush=True)
-    hard_exit(0)
 
 
 if __name__ == '__main__':
-    main(sys.argv[1:])
+    # Leaves with os._exit either way: a server (the cluster's, the strategy's) may block a
+    # normal interpreter shutdown, and a worker that fails must end now, with its error, so
+    # that the launcher stops the others (run.Agreement: a worker that diverges raises).
+    import traceback
+    try:
+        main(sys.argv[1:])
+        status = 0
+    except BaseException:  # noqa: BLE001 - printed; the exit status says it failed
+        traceback.print_exc()
+        status = 1
+    from tf1_syncbn.distributed import hard_exit
+    hard_exit(status)
