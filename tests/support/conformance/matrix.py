@@ -263,8 +263,9 @@ def column_covering_set(cells):
 def selected(harness=None):
     """The cells this run takes: ``make test``'s covering set, ``make test-full``'s all.
 
-    Only the cells that run in the matrix (match or refused). In TF1
-    behaviour, :func:`v1_picks` of them.
+    Only the cells that run in the matrix (match or refused). In ``make
+    test``'s TF1-behaviour pass, :func:`v1_picks` of them; ``make test-full``
+    runs every cell in both behaviours.
 
     Args:
       harness: None: the columns ``tests/conformance/`` runs (their
@@ -281,6 +282,8 @@ def selected(harness=None):
     else:
         cells = [cell for cell in cells if cell.harness is harness]
         chosen = suite_scope.covering(cells, column_covering_set(cells))
+    if suite_scope.full():
+        return chosen
     return tf_behavior.pick(chosen, v1_picks(chosen))
 
 
