@@ -611,7 +611,8 @@ class Horovod(Harness):
     runs_in = 'tests/with_horovod/test_horovod_conformance.py (make test-horovod)'
     #: Horovod's stall inspector ends a job whose processes wait on a peer that never
     #: submits (a layer skipped): warning after W seconds, shutdown S seconds later
-    #: (docs/horovod.md), well within ``run.WORKERS_TIMEOUT``.
+    #: (docs/horovod.md), with Horovod's own message; the launch's limit
+    #: (``run.workers_timeout``, 176 s for the TF1 pass's 14 cells) stops it otherwise.
     STALL_SECONDS = (60, 120)
 
     def not_applicable(self, front_end, option):
