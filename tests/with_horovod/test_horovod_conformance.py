@@ -24,7 +24,7 @@ from conformance import check, harnesses, matrix, oracle
 
 # The first test runs the references' subprocess and the one horovodrun launch of every
 # selected cell: about 40 s for make test-horovod's 32, 7 minutes for make test-full's 348
-# on a loaded 2-core machine (the launch's limit grows with its cells: run.WORKERS_TIMEOUT).
+# on a loaded 2-core machine (the launch's limit grows with its cells: run.workers_timeout).
 pytestmark = pytest.mark.timeout(1800)
 
 HOROVOD = harnesses.BY_NAME['horovod']
